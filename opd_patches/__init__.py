@@ -1,0 +1,49 @@
+"""opd_patches: on-policy distillation for VERL, added only through VERL's own extension hooks.
+
+Importing this package registers (idempotently):
+- the `cpu` platform (`PlatformRegistry`, selected by `VERL_PLATFORM=cpu`);
+- the `hf` rollout backend (`RolloutReplicaRegistry` and the `("hf", "async")` rollout class);
+- the two run-time patches of `backends.upstream_patches`.
+
+Every VERL process imports it through `VERL_USE_EXTERNAL_MODULES=opd_patches` (run.sh sets the
+variable and passes it to Ray workers); it fails loudly if the installed VERL is not the pinned one.
+"""
+
+from importlib.metadata import PackageNotFoundError, version
+
+VERL_VERSION = "0.9.1"
+
+
+def _check_verl_version():
+    try:
+        found = version("verl")
+    except PackageNotFoundError as exc:
+        raise ImportError(f"opd_patches needs verl=={VERL_VERSION}, which is not installed: run `make install`.") from exc
+    if found != VERL_VERSION:
+        raise ImportError(
+            f"opd_patches is pinned to verl=={VERL_VERSION} but verl=={found} is installed; its hooks and "
+            f"patches were written against {VERL_VERSION}. Run `make install` (or pip install verl=={VERL_VERSION})."
+        )
+
+
+def register():
+    """Register everything; safe to call more than once."""
+    _check_verl_version()
+    from verl.workers.rollout import base as rollout_base
+    from verl.workers.rollout.replica import RolloutReplicaRegistry
+
+    from opd_patches.backends import cpu_platform, upstream_patches  # noqa: F401  (registers "cpu")
+
+    upstream_patches.apply()
+
+    def _load_hf_replica():
+        from opd_patches.backends.hf_rollout import HFReplica
+
+        return HFReplica
+
+    RolloutReplicaRegistry.register("hf", _load_hf_replica)
+    # VERL has no public hook for the in-worker rollout class; this dict is where its own backends live.
+    rollout_base._ROLLOUT_REGISTRY[("hf", "async")] = "opd_patches.backends.hf_rollout.HFServerAdapter"
+
+
+register()

@@ -1,0 +1,163 @@
+"""Training entry point: a recipe's config -> checks, run manifest -> upstream VERL's `run_ppo`.
+
+    python -m opd_patches.main --config-path recipes --config-name k1 [overrides...]
+
+(run.sh is the usual way in.) Between Hydra and VERL's own V1 trainer it only: resolves the
+project's `opd.*` keys, checks that model and data paths exist, writes `manifest.json` into the
+run folder, routes metrics to `metrics.jsonl` there, and makes every Ray process import
+opd_patches. Training itself is upstream's `TaskRunnerV1`, unchanged.
+"""
+
+import os
+import sys
+from pathlib import Path
+
+import hydra
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from opd_patches import manifest
+
+PLACEMENTS = ("standalone", "colocated")
+
+
+class ConfigError(ValueError):
+    """A config value that cannot work; the message names the key and what to do."""
+
+
+def _is_local(path: str) -> bool:
+    # An HF hub id looks like "org/name"; anything else (absolute, ./, ~, or existing) is a local path.
+    return path.startswith(("/", ".", "~")) or os.path.exists(path) or path.count("/") != 1
+
+
+def check_paths(config: DictConfig) -> None:
+    """Fail before Ray starts when a model or data path does not exist."""
+    checks = [("actor_rollout_ref.model.path", config.actor_rollout_ref.model.path)]
+    for key, teacher in config.distillation.teacher_models.items():
+        checks.append((f"distillation.teacher_models.{key}.model_path", teacher.model_path))
+    for key in ("train_files", "val_files"):
+        files = config.data.get(key)
+        for f in [files] if isinstance(files, str) else list(files or []):
+            checks.append((f"data.{key}", f))
+    for key, value in checks:
+        if value is None or value == "???":
+            raise ConfigError(f"{key} is not set: pass it on the command line ({key}=...) or through run.sh.")
+        if key.startswith("data.") or _is_local(str(value)):
+            if not Path(os.path.expanduser(str(value))).exists():
+                raise ConfigError(f"{key}={value}: no such file or directory.")
+
+
+def apply_placement(config: DictConfig) -> None:
+    """Translate `opd.teacher_placement` into upstream's distillation keys."""
+    placement = config.opd.teacher_placement
+    if placement not in PLACEMENTS:
+        raise ConfigError(f"opd.teacher_placement={placement!r}: choose one of {PLACEMENTS}.")
+    if placement == "colocated":
+        raise ConfigError(
+            "opd.teacher_placement=colocated: the colocated teacher worker is not available yet; "
+            "use opd.teacher_placement=standalone (the teacher gets its own GPU pool)."
+        )
+    with open_dict(config):
+        config.distillation.n_gpus_per_node = int(config.opd.teacher_gpus)
+        config.distillation.nnodes = int(config.trainer.nnodes)
+
+
+def configure_ray(config: DictConfig, run_dir: Path) -> None:
+    """Environment for every Ray process; logical GPUs on the CPU platform."""
+    env = {
+        "VERL_USE_EXTERNAL_MODULES": "opd_patches",
+        "VERL_FILE_LOGGER_PATH": str(run_dir / "metrics.jsonl"),
+    }
+    for var in ("VERL_PLATFORM", "VERL_ENGINE_DEVICE", "PYTHONPATH"):
+        if os.environ.get(var):
+            env[var] = os.environ[var]
+    with open_dict(config):
+        ray_init = config.ray_kwargs.ray_init
+        if ray_init.get("runtime_env") is None:
+            ray_init.runtime_env = {}
+        ray_init.runtime_env.env_vars = {**(ray_init.runtime_env.get("env_vars") or {}), **env}
+        if os.environ.get("VERL_PLATFORM") == "cpu":
+            gpus = config.trainer.n_gpus_per_node * config.trainer.nnodes
+            gpus += config.distillation.n_gpus_per_node * config.distillation.nnodes
+            # Ray must see as many (logical) GPUs as the placement groups ask for, and enough
+            # logical CPUs for VERL's bundles ({"CPU": 3, "GPU": 1} each); otherwise it waits forever.
+            ray_init.num_gpus = gpus
+            if ray_init.get("num_cpus") is None:
+                ray_init.num_cpus = max(16, 4 * gpus)
+
+
+SUMMARY_KEYS = (
+    "actor_rollout_ref.model.path",
+    "distillation.teacher_models.teacher_model.model_path",
+    "opd.teacher_placement",
+    "distillation.distillation_loss.loss_mode",
+    "distillation.distillation_loss.topk",
+    "distillation.distillation_loss.use_policy_gradient",
+    "distillation.distillation_loss.use_task_rewards",
+    "data.train_files",
+    "data.train_batch_size",
+    "actor_rollout_ref.rollout.n",
+    "actor_rollout_ref.rollout.name",
+    "actor_rollout_ref.rollout.temperature",
+    "data.max_response_length",
+    "data.shuffle",
+    "data.seed",
+    "actor_rollout_ref.actor.optim.lr",
+    "actor_rollout_ref.actor.optim.lr_scheduler_type",
+    "trainer.total_training_steps",
+    "trainer.save_freq",
+    "trainer.max_actor_ckpt_to_keep",
+    "trainer.n_gpus_per_node",
+    "trainer.default_local_dir",
+)
+
+
+def describe(config: DictConfig) -> str:
+    """The composed values a user most often checks, one per line."""
+    width = max(map(len, SUMMARY_KEYS))
+    return "\n".join(f"  {key:<{width}}  {OmegaConf.select(config, key)}" for key in SUMMARY_KEYS)
+
+
+def prepare(config: DictConfig) -> Path:
+    """Everything main does before VERL starts; returns the run folder."""
+    if "opd" not in config:
+        raise ConfigError("The config has no `opd` section: start from a recipe in recipes/ (see recipes/README.md).")
+    apply_placement(config)
+    check_paths(config)
+    run_dir = Path(os.path.expanduser(config.trainer.default_local_dir)).resolve()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with open_dict(config):
+        config.trainer.default_local_dir = str(run_dir)
+    configure_ray(config, run_dir)
+    print(f"[opd] composed config (full copy in {run_dir / 'manifest.json'}):\n{describe(config)}", flush=True)
+    manifest.rotate(run_dir / "metrics.jsonl")
+    manifest.write(run_dir, config)
+    return run_dir
+
+
+def run(config: DictConfig) -> None:
+    from verl.trainer.main_ppo import TaskRunnerV1, run_ppo
+    from verl.trainer.ppo.utils import need_critic, need_reference_policy
+    from verl.utils.config import validate_config
+    from verl.utils.device import auto_set_device
+
+    if not config.trainer.use_v1:
+        raise ConfigError("trainer.use_v1=false: opd_patches builds on VERL's V1 trainer only.")
+    run_dir = prepare(config)
+    auto_set_device(config)
+    validate_config(config=config, use_reference_policy=need_reference_policy(config), use_critic=need_critic(config))
+    print(f"[opd] run folder: {run_dir}", flush=True)
+    run_ppo(config, task_runner_class=TaskRunnerV1)
+    print(f"[opd] finished: {manifest.summary(run_dir)}", flush=True)
+
+
+@hydra.main(config_path=None, config_name=None, version_base=None)
+def main(config: DictConfig) -> None:
+    try:
+        run(config)
+    except ConfigError as exc:
+        print(f"[opd] config error: {exc}", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()
