@@ -103,6 +103,7 @@ class HFServer:
         eos = gen.eos_token_id if gen.eos_token_id is not None else self.model.config.eos_token_id
         self.eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
         self.pad_id = gen.pad_token_id if gen.pad_token_id is not None else (self.eos_ids or [0])[0]
+        self.processed_logprobs = str(getattr(config, "logprobs_mode", "raw_logprobs")).startswith("processed")
         self.global_steps = None
         self.awake = True
         self._queue: list[tuple[dict, asyncio.Future]] = []
@@ -135,7 +136,8 @@ class HFServer:
     def _resolve(self, params: dict, prompt_len: int) -> dict:
         """Sampling parameters as vLLM would apply them (max_tokens bounded by the context)."""
         cfg = self.config
-        room = cfg.max_model_len - prompt_len if cfg.max_model_len else cfg.prompt_length + cfg.response_length
+        # As VERL's vLLM server: max_model_len defaults to the model's max_position_embeddings.
+        room = (cfg.max_model_len or self.model.config.max_position_embeddings) - prompt_len
         max_tokens = params.pop("max_tokens", params.pop("max_new_tokens", None))
         if max_tokens is None:
             max_tokens = min(cfg.response_length, cfg.prompt_length + cfg.response_length - prompt_len)
@@ -150,7 +152,8 @@ class HFServer:
             "top_k": top_k if top_k > 0 else None,
             "logprobs": bool(params.get("logprobs")),
             "prompt_logprobs": params.get("prompt_logprobs"),
-            "ignore_eos": bool(params.get("ignore_eos", False)),
+            "ignore_eos": bool(params.get("ignore_eos", cfg.ignore_eos)),
+            "repetition_penalty": float(params.get("repetition_penalty", cfg.repetition_penalty)),
             "stop_token_ids": tuple(params.get("stop_token_ids") or ()),
         }
 
@@ -209,14 +212,14 @@ class HFServer:
             n = len(r["prompt_ids"])
             input_ids[i, width - n :] = torch.tensor(r["prompt_ids"])
             attention[i, width - n :] = 1
-        stop_ids = [] if p["ignore_eos"] else list(dict.fromkeys(self.eos_ids + list(p["stop_token_ids"])))
+        # As in vLLM, ignore_eos disregards only the EOS tokens: explicit stop_token_ids still stop.
+        stop_ids = list(dict.fromkeys(([] if p["ignore_eos"] else self.eos_ids) + list(p["stop_token_ids"])))
         greedy = p["temperature"] <= 0
         max_new = max(r["max_tokens"] for r in reqs)
         out = self.model.generate(
             input_ids=input_ids.to(self.device),
             attention_mask=attention.to(self.device),
             max_new_tokens=max_new,
-            min_new_tokens=max_new if p["ignore_eos"] else None,
             do_sample=not greedy,
             temperature=None if greedy else p["temperature"],
             top_p=None if greedy else p["top_p"],
@@ -224,13 +227,18 @@ class HFServer:
             eos_token_id=stop_ids or None,
             pad_token_id=self.pad_id,
             return_dict_in_generate=True,
-            output_logits=p["logprobs"],
+            # Explicit, so that a repetition_penalty in the model's generation_config.json is not applied
+            # behind VERL's back (vLLM uses the request's value, default 1.0).
+            repetition_penalty=p["repetition_penalty"],
+            output_logits=p["logprobs"] and not self.processed_logprobs,
+            output_scores=p["logprobs"] and self.processed_logprobs,
         )
         new = out.sequences[:, width:].cpu()
         logp = None
         if p["logprobs"]:
-            # Log-probs of the sampled tokens under the unprocessed model distribution, as vLLM reports.
-            logits = torch.stack(out.logits, dim=1).float()
+            # rollout.logprobs_mode as in vLLM: processed = after temperature/top-k/top-p (generate's
+            # scores, filtered tokens at -inf), raw = the model's own distribution (its logits).
+            logits = torch.stack(out.scores if self.processed_logprobs else out.logits, dim=1).float()
             logp = torch.log_softmax(logits, dim=-1).gather(-1, new[:, : logits.shape[1], None].to(logits.device))
             logp = logp[..., 0].cpu()
         results = []
@@ -264,6 +272,9 @@ class HFServer:
             self.model.load_state_dict(named_tensors, strict=False)
             if global_steps is not None:
                 self.global_steps = global_steps
+        # Tests read this line to see that every step's weights reached the rollout.
+        print(f"[hf rollout] replica {self.replica_rank}: loaded {len(named_tensors)} tensors "
+              f"for step {global_steps}", flush=True)
         return len(named_tensors)
 
     async def wake_up(self, tags: list[str] | None = None):

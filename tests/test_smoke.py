@@ -1,0 +1,78 @@
+"""End to end: `python -m opd_patches.smoke` (what `make smoke` runs) on the embedded default.
+
+One session-scoped run of both recipes (about 80 s each on 2 cores) is shared by every test here.
+"""
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+RECIPES = ("k1", "topk")
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="session")
+def smoke(tmp_path_factory):
+    out = tmp_path_factory.mktemp("smoke")
+    proc = subprocess.run(
+        [sys.executable, "-m", "opd_patches.smoke", "--out", str(out), "--timeout", "400", "--recipes", *RECIPES],
+        cwd=REPO, capture_output=True, text=True, timeout=1000,
+    )
+    return proc, out
+
+
+def test_smoke_passes_for_both_recipes(smoke):
+    proc, out = smoke
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = json.loads((out / "smoke.json").read_text())
+    assert [r["recipe"] for r in results] == list(RECIPES) and all(r["ok"] for r in results)
+    for r in results:
+        v = r["validation"]
+        assert v["max_abs_change_vs_initial"] > 0 and v["parameters"] > 0 and v["generated"]
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_every_step_saved_with_an_hf_export(smoke, recipe):
+    run = smoke[1] / recipe
+    assert (run / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
+    for step in (1, 2):
+        hf = run / f"global_step_{step}" / "actor" / "huggingface"
+        assert (hf / "model.safetensors").stat().st_size > 0 and (hf / "tokenizer.json").exists()
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_manifest_records_what_produced_the_run(smoke, recipe):
+    m = json.loads((smoke[1] / recipe / "manifest.json").read_text())
+    pin = (REPO / "verl_vendor" / "pin.toml").read_text()
+    assert m["verl_wheel"]["sha256"] in pin and m["packages"]["verl"] == "0.9.1"
+    assert m["packages"]["torch"] and m["packages"]["transformers"] == "5.9.0"
+    assert re.fullmatch(r"[0-9a-f]{40}", m["git"]["commit"] or "")
+    assert m["config"]["trainer"]["experiment_name"] == recipe
+    assert m["config"]["trainer"]["default_local_dir"] == str(smoke[1] / recipe)
+    assert "actor_rollout_ref.rollout.seed" in m["seeds"]
+
+
+def test_metrics_jsonl_has_each_step_and_the_loss(smoke):
+    for recipe, key in (("k1", "actor/distillation/loss"), ("topk", "actor/distillation/teacher_mass")):
+        rows = [json.loads(line) for line in (smoke[1] / recipe / "metrics.jsonl").read_text().splitlines()]
+        assert [r["step"] for r in rows] == [1, 2]
+        assert all(key in r["data"] and "timing_s/step" in r["data"] for r in rows), recipe
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_rollout_received_the_weights_of_every_step(smoke, recipe):
+    log = (smoke[1] / recipe / "run.log").read_text()
+    steps = {int(s) for s in re.findall(r"\[hf rollout\] replica 0: loaded \d+ tensors for step (\d+)", log)}
+    assert {1, 2} <= steps, steps
+
+
+def test_console_shows_the_composed_config(smoke):
+    log = (smoke[1] / "topk" / "run.log").read_text()
+    assert "[opd] composed config" in log
+    assert re.search(r"distillation\.distillation_loss\.loss_mode\s+forward_kl_topk", log)
+    assert re.search(r"distillation\.distillation_loss\.topk\s+16", log)
