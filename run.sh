@@ -72,6 +72,10 @@ placement=(
 output=(
   trainer.default_local_dir="$OUTPUT_DIR"
 )
+recipe=(
+  --config-path "$ROOT/recipes" --config-name "$RECIPE"
+  "hydra.searchpath=[pkg://verl.trainer.config]"   # recipes are deltas over VERL's ppo_trainer
+)
 
-exec "$PYTHON" -m opd_patches.main --config-path "$ROOT/recipes" --config-name "$RECIPE" \
+exec "$PYTHON" -m opd_patches.main "${recipe[@]}" \
   "${models[@]}" "${data[@]}" "${placement[@]}" "${output[@]}" "${args[@]}"

@@ -3,7 +3,8 @@
 Importing this package registers (idempotently):
 - the `cpu` platform (`PlatformRegistry`, selected by `VERL_PLATFORM=cpu`);
 - the `hf` rollout backend (`RolloutReplicaRegistry` and the `("hf", "async")` rollout class);
-- the two run-time patches of `backends.upstream_patches`.
+- the distillation loss `forward_kl_topk_tail` (`register_distillation_loss`);
+- the run-time patches of `backends.upstream_patches`.
 
 Every VERL process imports it through `VERL_USE_EXTERNAL_MODULES=opd_patches` (run.sh sets the
 variable and passes it to Ray workers); it fails loudly if the installed VERL is not the pinned one.
@@ -33,6 +34,7 @@ def register():
     from verl.workers.rollout.replica import RolloutReplicaRegistry
 
     from opd_patches.backends import cpu_platform, upstream_patches  # noqa: F401  (registers "cpu")
+    from opd_patches.losses import forward_kl_topk_tail  # noqa: F401  (registers the loss)
 
     upstream_patches.apply()
 

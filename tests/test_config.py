@@ -16,7 +16,7 @@ import opd_patches  # noqa: F401  (registers the hf backend that the cpu device 
 from opd_patches import main
 
 REPO = Path(__file__).resolve().parents[1]
-RECIPES = ("k1", "topk")
+RECIPES = ("k1", "topk", "topk_tail")
 DEVICES = ("cpu", "gpu", "gpu-hf")
 
 
@@ -25,6 +25,7 @@ def compose_recipe(recipe, *overrides, device="cpu"):
         return compose(
             config_name=recipe,
             overrides=[
+                "hydra.searchpath=[pkg://verl.trainer.config]",  # as run.sh
                 "actor_rollout_ref.model.path=/models/student",
                 "distillation.teacher_models.teacher_model.model_path=/models/teacher",
                 "data.train_files=/data/train.parquet",

@@ -10,6 +10,12 @@ loudly if the patched upstream function moves or changes shape.
    _validate_topk_logprobs` (verl/workers/config/distillation.py) accepts only vllm/sglang
    and raises NotImplementedError otherwise. The HF backend returns any number of
    prompt log-probs, so there is nothing to validate for it.
+3. The tail term of `forward_kl_topk_tail` needs the student logits, which exist only inside the
+   actor's forward pass, where VERL calls `verl.trainer.distillation.fsdp.losses.
+   compute_forward_kl_topk` for every top-k loss. We wrap that one function: it runs unchanged and,
+   for the tail loss only, adds one more per-token output (`tail_losses`).
+4. Upstream's registered `forward_kl_topk` clamps negative per-token losses at 0 without saying how
+   often; its registry entry is wrapped to also report `distillation/clamped_frac`.
 """
 
 import functools
@@ -65,6 +71,54 @@ def _patch_topk_validation():
     DistillationTeacherModelConfig._validate_topk_logprobs = _validate_topk_logprobs
 
 
+def _patch_topk_logits_processor():
+    import verl.trainer.distillation.fsdp.losses as fsdp_losses
+    from verl.utils.ulysses import get_ulysses_sequence_parallel_world_size, slice_input_tensor
+
+    from opd_patches.losses.forward_kl_topk_tail import NAME, tail_outputs
+
+    original = fsdp_losses.compute_forward_kl_topk
+    if getattr(original, _MARK, False):
+        return
+
+    @functools.wraps(original)
+    def compute_forward_kl_topk(student_logits, teacher_topk_log_probs, teacher_topk_ids, config, data_format):
+        outputs = original(student_logits, teacher_topk_log_probs, teacher_topk_ids, config, data_format)
+        if config.distillation_loss.loss_mode != NAME:
+            return outputs
+        # Align the teacher tensors with the logits exactly as the original does (packed, SP-sliced).
+        logprobs, ids = teacher_topk_log_probs.values().unsqueeze(0), teacher_topk_ids.values().unsqueeze(0)
+        if get_ulysses_sequence_parallel_world_size() > 1:
+            logprobs, ids = slice_input_tensor(logprobs, dim=1), slice_input_tensor(ids, dim=1)
+        return {**outputs, **tail_outputs(student_logits, ids, logprobs)}
+
+    setattr(compute_forward_kl_topk, _MARK, True)
+    fsdp_losses.compute_forward_kl_topk = compute_forward_kl_topk
+
+
+def _patch_forward_kl_topk_metrics():
+    from verl.trainer.distillation import losses as distill_losses
+    from verl.workers.utils.padding import no_padding_2_padding
+
+    from opd_patches.losses.forward_kl_topk_tail import clamp_fraction, response_mask_of
+
+    original = distill_losses.DISTILLATION_LOSS_REGISTRY["forward_kl_topk"]
+    if getattr(original, _MARK, False):
+        return
+
+    @functools.wraps(original)
+    def compute_forward_kl_topk(config, distillation_config, model_output, data):
+        losses, metrics = original(config, distillation_config, model_output, data)
+        truncated = no_padding_2_padding(model_output["distillation_losses"], data).detach()
+        metrics["distillation/clamped_frac"] = clamp_fraction(truncated, response_mask_of(data))
+        return losses, metrics
+
+    setattr(compute_forward_kl_topk, _MARK, True)
+    distill_losses.DISTILLATION_LOSS_REGISTRY["forward_kl_topk"] = compute_forward_kl_topk
+
+
 def apply():
     _patch_init_process_group()
     _patch_topk_validation()
+    _patch_topk_logits_processor()
+    _patch_forward_kl_topk_metrics()
