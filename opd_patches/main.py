@@ -46,6 +46,38 @@ def check_paths(config: DictConfig) -> None:
                 raise ConfigError(f"{key}={value}: no such file or directory.")
 
 
+def _root_cause(exc: BaseException) -> BaseException:
+    while exc.__cause__ is not None:
+        exc = exc.__cause__
+    return exc
+
+
+def check_distillation(config: DictConfig) -> None:
+    """Loss settings and model compatibility, checked before any worker starts."""
+    from verl.utils.config import omega_conf_to_dataclass
+
+    from opd_patches import compat
+
+    try:
+        # Upstream's own validation (unknown loss_mode lists the registered ones; k1 needs PG; ...).
+        loss = omega_conf_to_dataclass(config.distillation).distillation_loss
+    except Exception as exc:  # Hydra wraps the dataclass errors; report the original
+        raise ConfigError(f"distillation.distillation_loss: {_root_cause(exc)}") from exc
+    student = str(config.actor_rollout_ref.model.path)
+    for key, teacher in config.distillation.teacher_models.items():
+        try:
+            compared = compat.check_vocab(student, str(teacher.model_path))
+        except compat.IncompatibleModels as exc:
+            raise ConfigError(f"distillation.teacher_models.{key}.model_path: {exc}") from exc
+    if loss.loss_settings.use_topk:
+        vocab = compared.get("vocab_size")
+        if loss.topk is None or loss.topk <= 0 or (vocab and loss.topk > vocab):
+            raise ConfigError(
+                f"distillation.distillation_loss.topk={loss.topk}: a top-k loss needs 1 <= topk <= vocabulary size"
+                f" ({vocab if vocab else 'unknown'})."
+            )
+
+
 def apply_placement(config: DictConfig) -> None:
     """Translate `opd.teacher_placement` into upstream's distillation keys."""
     placement = config.opd.teacher_placement
@@ -123,6 +155,7 @@ def prepare(config: DictConfig) -> Path:
         raise ConfigError("The config has no `opd` section: start from a recipe in recipes/ (see recipes/README.md).")
     apply_placement(config)
     check_paths(config)
+    check_distillation(config)
     run_dir = Path(os.path.expanduser(config.trainer.default_local_dir)).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     with open_dict(config):

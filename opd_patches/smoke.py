@@ -1,6 +1,6 @@
 """The smoke check behind `make smoke`: two real training steps per recipe, then the export must validate.
 
-    python -m opd_patches.smoke [--recipes k1 topk] [--out outputs/smoke] [--timeout 300]
+    python -m opd_patches.smoke [--recipes k1 topk topk_tail] [--out outputs/smoke] [--timeout 300]
 
 For each recipe: `./run.sh recipe=R +overlay=smoke` on the embedded default (tiny student and
 teacher, prompts built in code; CPU or GPU by run.sh's device detection) under a timeout, then
@@ -55,7 +55,7 @@ def run_recipe(recipe: str, out: Path, timeout: int, extra: list[str]) -> dict:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--recipes", nargs="+", default=["k1", "topk"])
+    parser.add_argument("--recipes", nargs="+", default=["k1", "topk", "topk_tail"])
     parser.add_argument("--out", type=Path, default=REPO / "outputs" / "smoke")
     parser.add_argument("--timeout", type=int, default=300, help="seconds per recipe")
     parser.add_argument("overrides", nargs="*", help="extra Hydra overrides for every recipe")

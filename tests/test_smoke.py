@@ -1,6 +1,6 @@
 """End to end: `python -m opd_patches.smoke` (what `make smoke` runs) on the embedded default.
 
-One session-scoped run of both recipes (about 80 s each on 2 cores) is shared by every test here.
+One session-scoped run of the three recipes (about 80 s each on 2 cores) is shared by every test here.
 """
 
 import json
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-RECIPES = ("k1", "topk")
+RECIPES = ("k1", "topk", "topk_tail")
 pytestmark = pytest.mark.slow
 
 
@@ -58,7 +58,8 @@ def test_manifest_records_what_produced_the_run(smoke, recipe):
 
 
 def test_metrics_jsonl_has_each_step_and_the_loss(smoke):
-    for recipe, key in (("k1", "actor/distillation/loss"), ("topk", "actor/distillation/teacher_mass")):
+    for recipe, key in (("k1", "actor/distillation/loss"), ("topk", "actor/distillation/clamped_frac"),
+                        ("topk_tail", "actor/distillation/tail_share")):
         rows = [json.loads(line) for line in (smoke[1] / recipe / "metrics.jsonl").read_text().splitlines()]
         assert [r["step"] for r in rows] == [1, 2]
         assert all(key in r["data"] and "timing_s/step" in r["data"] for r in rows), recipe
@@ -76,3 +77,11 @@ def test_console_shows_the_composed_config(smoke):
     assert "[opd] composed config" in log
     assert re.search(r"distillation\.distillation_loss\.loss_mode\s+forward_kl_topk", log)
     assert re.search(r"distillation\.distillation_loss\.topk\s+16", log)
+
+
+def test_tail_loss_is_never_negative_and_reports_its_parts(smoke):
+    rows = [json.loads(line)["data"] for line in (smoke[1] / "topk_tail" / "metrics.jsonl").read_text().splitlines()]
+    for r in rows:
+        assert r["actor/distillation/loss_min"] >= -1e-6  # no clamp, yet a true KL is >= 0
+        assert 0.0 <= r["actor/distillation/tail_share"] <= 1.0
+        assert {"actor/distillation/tail_loss", "actor/distillation/teacher_mass", "actor/distillation/student_mass"} <= r.keys()
