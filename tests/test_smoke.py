@@ -85,3 +85,26 @@ def test_tail_loss_is_never_negative_and_reports_its_parts(smoke):
         assert r["actor/distillation/loss_min"] >= -1e-6  # no clamp, yet a true KL is >= 0
         assert 0.0 <= r["actor/distillation/tail_share"] <= 1.0
         assert {"actor/distillation/tail_loss", "actor/distillation/teacher_mass", "actor/distillation/student_mass"} <= r.keys()
+
+
+@pytest.fixture(scope="session")
+def mixed(tmp_path_factory):
+    """topk_tail with task rewards mixed in (coefficient 0.5 on the distillation loss)."""
+    out = tmp_path_factory.mktemp("mixed")
+    proc = subprocess.run(
+        [sys.executable, "-m", "opd_patches.smoke", "--out", str(out), "--timeout", "400", "--recipes", "topk_tail",
+         "distillation.distillation_loss.use_task_rewards=true", "distillation.distillation_loss.distillation_loss_coef=0.5"],
+        cwd=REPO, capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return out
+
+
+def test_task_reward_mixing_scales_the_distillation_loss(mixed):
+    manifest = json.loads((mixed / "topk_tail" / "manifest.json").read_text())
+    assert manifest["config"]["reward"]["custom_reward_function"]["path"] == "pkg://opd_patches.reward"
+    rows = [json.loads(line)["data"] for line in (mixed / "topk_tail" / "metrics.jsonl").read_text().splitlines()]
+    for r in rows:
+        assert "critic/score/mean" in r and "actor/pg_loss" in r  # the reward and policy-gradient path ran
+        expected = r["actor/pg_loss"] + 0.5 * r["actor/distillation/loss"]
+        assert r["actor/loss"] == pytest.approx(expected, rel=1e-4, abs=1e-7)
