@@ -92,7 +92,7 @@ def mixed(tmp_path_factory):
     """topk_tail with task rewards mixed in (coefficient 0.5 on the distillation loss)."""
     out = tmp_path_factory.mktemp("mixed")
     proc = subprocess.run(
-        [sys.executable, "-m", "opd_patches.smoke", "--out", str(out), "--timeout", "400", "--recipes", "topk_tail",
+        [sys.executable, "-m", "opd_patches.smoke", "--recipes", "topk_tail", "--out", str(out), "--timeout", "400",
          "distillation.distillation_loss.use_task_rewards=true", "distillation.distillation_loss.distillation_loss_coef=0.5"],
         cwd=REPO, capture_output=True, text=True, timeout=600,
     )
