@@ -18,6 +18,8 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from opd_patches import manifest
 
 PLACEMENTS = ("standalone", "colocated")
+COLOCATED_MODE = "colocated_teacher"  # trainer mode of opd_patches/teacher/trainer.py
+COLOCATED_AGENT_LOOP = "opd_patches.teacher.agent_loop.ColocatedTeacherAgentLoopManager"
 
 
 class ConfigError(ValueError):
@@ -83,20 +85,35 @@ def apply_placement(config: DictConfig) -> None:
     placement = config.opd.teacher_placement
     if placement not in PLACEMENTS:
         raise ConfigError(f"opd.teacher_placement={placement!r}: choose one of {PLACEMENTS}.")
-    if placement == "colocated":
-        raise ConfigError(
-            "opd.teacher_placement=colocated: the colocated teacher worker is not available yet; "
-            "use opd.teacher_placement=standalone (the teacher gets its own GPU pool)."
-        )
     with open_dict(config):
-        config.distillation.n_gpus_per_node = int(config.opd.teacher_gpus)
         config.distillation.nnodes = int(config.trainer.nnodes)
+        if placement == "standalone":
+            config.distillation.n_gpus_per_node = int(config.opd.teacher_gpus)
+            return
+        # colocated: the teacher runs inside the actor's worker group (opd_patches/teacher), scheduled by
+        # the trainer mode below; upstream creates no teacher pool, teacher servers or teacher client.
+        mode = config.trainer.v1.trainer_mode
+        if mode not in ("sync", COLOCATED_MODE):
+            raise ConfigError(
+                f"opd.teacher_placement=colocated runs the synchronous trainer mode {COLOCATED_MODE!r}; "
+                f"trainer.v1.trainer_mode={mode} cannot host it (use opd.teacher_placement=standalone)."
+            )
+        config.trainer.v1.trainer_mode = COLOCATED_MODE
+        if config.trainer.v1.get(COLOCATED_MODE) is None:
+            config.trainer.v1[COLOCATED_MODE] = {}
+        config.trainer.v1[COLOCATED_MODE].offload = bool(config.opd.teacher_offload)
+        config.actor_rollout_ref.rollout.agent.agent_loop_manager_class = COLOCATED_AGENT_LOOP
+        # Upstream still validates the (unused) teacher pool's size: name the actor's GPUs.
+        config.distillation.n_gpus_per_node = int(config.trainer.n_gpus_per_node)
 
 
 def configure_ray(config: DictConfig, run_dir: Path) -> None:
     """Environment for every Ray process; logical GPUs on the CPU platform."""
+    modules = ["opd_patches"]
+    if config.opd.teacher_placement == "colocated":
+        modules.append("opd_patches.teacher.trainer")  # registers the trainer mode "colocated_teacher"
     env = {
-        "VERL_USE_EXTERNAL_MODULES": "opd_patches",
+        "VERL_USE_EXTERNAL_MODULES": ",".join(modules),
         "VERL_FILE_LOGGER_PATH": str(run_dir / "metrics.jsonl"),
     }
     for var in ("VERL_PLATFORM", "VERL_ENGINE_DEVICE", "PYTHONPATH"):
@@ -109,7 +126,8 @@ def configure_ray(config: DictConfig, run_dir: Path) -> None:
         ray_init.runtime_env.env_vars = {**(ray_init.runtime_env.get("env_vars") or {}), **env}
         if os.environ.get("VERL_PLATFORM") == "cpu":
             gpus = config.trainer.n_gpus_per_node * config.trainer.nnodes
-            gpus += config.distillation.n_gpus_per_node * config.distillation.nnodes
+            if config.opd.teacher_placement == "standalone":  # colocated: no teacher pool
+                gpus += config.distillation.n_gpus_per_node * config.distillation.nnodes
             # Ray must see as many (logical) GPUs as the placement groups ask for, and enough
             # logical CPUs for VERL's bundles ({"CPU": 3, "GPU": 1} each); otherwise it waits forever.
             ray_init.num_gpus = gpus
@@ -121,6 +139,7 @@ SUMMARY_KEYS = (
     "actor_rollout_ref.model.path",
     "distillation.teacher_models.teacher_model.model_path",
     "opd.teacher_placement",
+    "trainer.v1.trainer_mode",
     "distillation.distillation_loss.loss_mode",
     "distillation.distillation_loss.topk",
     "distillation.distillation_loss.use_policy_gradient",

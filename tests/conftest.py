@@ -13,3 +13,27 @@ def embedded():
     from opd_patches.embedded.build import build
 
     return build(REPO / ".cache" / "embedded")
+
+
+def sharpened(src, out, seed):
+    """A copy of model folder `src` in `out` with its matrices re-drawn at std 0.3 (fixed seed).
+
+    The embedded models are near-uniform, so greedy decoding just repeats a token and token-level
+    comparisons prove nothing; sharp weights make outputs depend on the whole context.
+    """
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(src)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.3, generator=gen)
+    model.save_pretrained(out)
+    for f in Path(src).iterdir():  # tokenizer files, generation_config.json
+        if f.is_file() and not (Path(out) / f.name).exists():
+            shutil.copy(f, Path(out) / f.name)
+    return Path(out)

@@ -126,9 +126,23 @@ def test_placement_errors_name_the_key():
     c = compose_recipe("k1", "opd.teacher_placement=elsewhere")
     with pytest.raises(main.ConfigError, match="opd.teacher_placement"):
         main.apply_placement(c)
-    c = compose_recipe("k1", "opd.teacher_placement=colocated")
+    c = compose_recipe("k1", "opd.teacher_placement=colocated", "trainer.v1.trainer_mode=separate_async")
     with pytest.raises(main.ConfigError, match="colocated"):
         main.apply_placement(c)
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_colocated_placement_selects_the_colocated_teacher(recipe, tmp_path, monkeypatch):
+    c = compose_recipe(recipe, "opd.teacher_placement=colocated", "opd.teacher_offload=false")
+    validate(c)
+    assert c.trainer.v1.trainer_mode == "colocated_teacher" and c.trainer.v1.colocated_teacher.offload is False
+    assert c.actor_rollout_ref.rollout.agent.agent_loop_manager_class == main.COLOCATED_AGENT_LOOP
+    assert c.distillation.n_gpus_per_node == c.trainer.n_gpus_per_node  # no pool of its own
+    monkeypatch.setenv("VERL_PLATFORM", "cpu")
+    main.configure_ray(c, tmp_path)
+    ray_init = c.ray_kwargs.ray_init
+    assert ray_init.num_gpus == 1  # the student's GPU only
+    assert ray_init.runtime_env.env_vars.VERL_USE_EXTERNAL_MODULES == "opd_patches,opd_patches.teacher.trainer"
 
 
 def test_missing_paths_are_reported_by_key(tmp_path):

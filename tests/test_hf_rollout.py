@@ -33,6 +33,8 @@ from verl.workers.config import RolloutConfig
 from opd_patches.backends import hf_rollout as hr
 from opd_patches.embedded.build import build
 
+from conftest import sharpened
+
 PROMPTS = [
     [5, 6, 7, 8, 9],
     [10, 11, 12],
@@ -51,18 +53,7 @@ def assets(tmp_path_factory):
 @pytest.fixture(scope="session")
 def sharp_path(assets, tmp_path_factory):
     """The student with its matrices re-drawn at std 0.3: same architecture, tokenizer and configs."""
-    out = tmp_path_factory.mktemp("sharp")
-    model = AutoModelForCausalLM.from_pretrained(assets["student"])
-    gen = torch.Generator().manual_seed(123)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() >= 2:
-                p.normal_(0.0, 0.3, generator=gen)
-    model.save_pretrained(out)
-    for f in Path(assets["student"]).iterdir():  # tokenizer files, generation_config.json
-        if f.is_file() and not (out / f.name).exists():
-            shutil.copy(f, out / f.name)
-    return out
+    return sharpened(assets["student"], tmp_path_factory.mktemp("sharp"), seed=123)
 
 
 @pytest.fixture(scope="session")

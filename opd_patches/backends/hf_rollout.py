@@ -56,25 +56,13 @@ def prompt_logprobs(model, input_ids: torch.Tensor, k: int) -> tuple[list[list[f
 
     Row i describes the distribution predicting token i+1: for k == 0 the log-prob of that
     token and its id; for k > 0 the top-k log-probs (descending) and their ids. A dummy row
-    of zeros is appended so that the result has one row per input token.
+    of zeros is appended so that the result has one row per input token. The maths is the
+    colocated teacher's (opd_patches/teacher/scoring.py), so both teacher paths agree.
     """
-    hidden = model.get_decoder()(input_ids=input_ids[None]).last_hidden_state[0]
-    head = model.get_output_embeddings()
-    rows_lp, rows_id = [], []
-    width = max(k, 1)
-    for start in range(0, input_ids.numel() - 1, LOGPROB_CHUNK):
-        stop = min(start + LOGPROB_CHUNK, input_ids.numel() - 1)
-        logp = torch.log_softmax(head(hidden[start:stop]).float(), dim=-1)
-        if k == 0:
-            nxt = input_ids[start + 1 : stop + 1]
-            lp, ids = logp.gather(-1, nxt[:, None]), nxt[:, None]
-        else:
-            lp, ids = logp.topk(k, dim=-1)
-        rows_lp += lp.tolist()
-        rows_id += ids.tolist()
-    rows_lp.append([0.0] * width)
-    rows_id.append([0] * width)
-    return rows_lp, rows_id
+    from opd_patches.teacher.scoring import score_sequences
+
+    (lps,), (ids,) = score_sequences(model, [input_ids], k, chunk_size=LOGPROB_CHUNK, max_tokens=input_ids.numel())
+    return lps.tolist(), ids.tolist()
 
 
 class HFServer:

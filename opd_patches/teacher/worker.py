@@ -1,0 +1,127 @@
+"""The colocated teacher: a forward-only teacher model inside the actor's worker group.
+
+`ColocatedTeacherWorker` is upstream's `ActorRolloutRefWorker` plus one forward-only teacher model
+per rank (a plain transformers replica: data parallel like the actor, no sharding) and the method
+`compute_teacher_logprobs`, registered exactly like upstream's `compute_log_prob`: the trainer passes
+a TransferQueue `KVBatchMeta`, VERL's dispatch splits it over the actor's data-parallel ranks,
+`tqbridge` fetches each rank's samples as a TensorDict, and the returned fields (`teacher_logprobs`,
+`teacher_ids`, in the layout of scoring.py) are written back into TransferQueue for the same samples,
+where upstream's losses read them.
+"""
+
+import os
+from typing import Optional
+
+import torch
+from tensordict import TensorDict
+from verl.single_controller.base.decorator import Dispatch, make_nd_compute_dataproto_dispatch_fn, register
+from verl.utils.config import omega_conf_to_dataclass
+from verl.utils.device import get_device_id, get_device_name
+from verl.utils.memory_utils import aggressive_empty_cache
+from verl.workers.config import DistillationConfig
+from verl.workers.engine_workers import ActorRolloutRefWorker
+
+from opd_patches.teacher.scoring import score_sequences
+
+
+def worker_device() -> torch.device:
+    name = get_device_name()
+    return torch.device("cpu") if name == "cpu" else torch.device(name, get_device_id())
+
+
+class ColocatedTeacher:
+    """One forward-only teacher replica; parked in host memory between uses when `offload`."""
+
+    def __init__(
+        self,
+        model_path: str,
+        k: int,
+        device: torch.device,
+        dtype: torch.dtype,
+        offload: bool = True,
+        chunk_size: int = 2048,
+        max_tokens: int = 16384,
+        attn_implementation: str = "sdpa",
+    ):
+        from transformers import AutoModelForCausalLM
+
+        if not os.path.exists(model_path):
+            from verl.utils.fs import copy_to_local
+
+            model_path = copy_to_local(model_path)  # hdfs:// and hub ids, as upstream resolves model paths
+        self.model = AutoModelForCausalLM.from_pretrained(
+            model_path, dtype=dtype, attn_implementation=attn_implementation
+        ).eval()
+        self.model.requires_grad_(False)
+        self.k, self.device, self.offload = k, device, offload
+        self.chunk_size, self.max_tokens = chunk_size, max_tokens
+        self.model.to("cpu" if offload else device)
+
+    def score(self, sequences: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        if self.offload:
+            self.model.to(self.device)
+        try:
+            return score_sequences(
+                self.model, sequences, self.k, chunk_size=self.chunk_size, max_tokens=self.max_tokens
+            )
+        finally:
+            if self.offload:
+                self.model.to("cpu")
+                aggressive_empty_cache(force_sync=True)
+
+
+def teacher_width(distillation: DistillationConfig) -> int:
+    """Upstream's `prompt_logprobs` request: top-k for top-k losses, 0 (the token's own) otherwise."""
+    loss = distillation.distillation_loss
+    return int(loss.topk) if loss.loss_settings.use_topk else 0
+
+
+class ColocatedTeacherWorker(ActorRolloutRefWorker):
+    """ActorRolloutRefWorker that also holds a forward-only teacher and scores batches with it."""
+
+    teacher: Optional[ColocatedTeacher] = None
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def init_colocated_teacher(self, offload: bool = True, chunk_size: int = 2048, max_token_len: Optional[int] = None):
+        """Load the teacher of `distillation.teacher_models` on this rank (after init_model)."""
+        assert "actor" in self.role, "the colocated teacher lives beside the actor"
+        distillation: DistillationConfig = omega_conf_to_dataclass(self.distillation_config)
+        if len(distillation.teacher_models) != 1:
+            raise NotImplementedError(
+                f"the colocated teacher serves one teacher; got {sorted(distillation.teacher_models)} "
+                "(multi-teacher routing needs opd.teacher_placement=standalone)"
+            )
+        teacher = next(iter(distillation.teacher_models.values()))
+        device = worker_device()
+        dtype = getattr(torch, teacher.inference.dtype) if device.type != "cpu" else torch.float32
+        attn = (self.config.model.get("override_config", {}) or {}).get("attn_implementation", "sdpa")
+        self.teacher = ColocatedTeacher(
+            teacher.model_path,
+            k=teacher_width(distillation),
+            device=device,
+            dtype=dtype,
+            offload=offload,
+            chunk_size=chunk_size,
+            max_tokens=max_token_len or self.config.rollout.log_prob_max_token_len_per_gpu or 16384,
+            attn_implementation=attn,
+        )
+        print(
+            f"[colocated teacher] rank {self.rank}: loaded {teacher.model_path} (k={self.teacher.k}, {dtype}, "
+            f"offload={offload}) on {device}",
+            flush=True,
+        )
+
+    @register(dispatch_mode=make_nd_compute_dataproto_dispatch_fn(mesh_name="actor"))
+    def compute_teacher_logprobs(self, data: TensorDict) -> TensorDict:
+        """`teacher_logprobs` / `teacher_ids` for every sample's `input_ids` (prompt + response)."""
+        assert self.teacher is not None, "call init_colocated_teacher first"
+        input_ids = data["input_ids"]
+        sequences = list(input_ids.unbind(0))
+        logprobs, ids = self.teacher.score(sequences)
+        return TensorDict(
+            {
+                "teacher_logprobs": torch.nested.as_nested_tensor(logprobs, layout=torch.jagged),
+                "teacher_ids": torch.nested.as_nested_tensor(ids, layout=torch.jagged),
+            },
+            batch_size=[len(sequences)],
+        )

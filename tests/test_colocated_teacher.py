@@ -1,0 +1,318 @@
+"""The colocated teacher (opd_patches/teacher): its fields match upstream's teacher loop, end to end.
+
+Expectations are computed independently of the code under test: from a plain full forward pass of
+the teacher over each unpadded sequence (`model(ids).logits`), turned into upstream's layout by
+VERL's own vLLM prompt-log-prob extractor on the equivalent vLLM output and then by the teacher
+loop's own tensor conversion (`AsyncTeacherLLMServerManager.compute_teacher_logprobs_single`).
+
+The embedded teacher is freshly initialised and near-uniform, which makes top-k order comparisons
+toothless (near ties); the layout tests use `sharp`, the teacher with its matrices re-drawn at a
+larger scale (fixed seed), so the top-k are well separated.
+"""
+
+import os
+
+os.environ["VERL_PLATFORM"] = "cpu"  # before any VERL platform query; importing opd_patches registers "cpu"
+
+import ast
+import copy
+import importlib.util
+import json
+import re
+import subprocess
+import sys
+import types
+from pathlib import Path
+from typing import Optional
+
+import opd_patches  # noqa: F401  (registers the cpu platform, the hf backend and the losses)
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from omegaconf import open_dict
+from tensordict import TensorDict
+from transformers import AutoModelForCausalLM
+from verl.trainer.ppo.v1 import AgentLoopManagerTQ, get_trainer_cls
+from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
+
+from opd_patches.embedded.build import build
+
+from conftest import sharpened
+from opd_patches.teacher import scoring, trainer  # noqa: F401  (trainer: registers "colocated_teacher")
+from opd_patches.teacher.agent_loop import ColocatedTeacherAgentLoopManager, without_teacher_server
+from opd_patches.teacher.worker import ColocatedTeacher, ColocatedTeacherWorker
+
+REPO = Path(__file__).resolve().parents[1]
+LENGTHS = [1, 2, 6, 11, 12, 23, 23, 40]  # lone token, several equal lengths, longer than one chunk
+LP_TOL = 1e-5
+
+
+# ---- fixtures and independent references ---------------------------------------------------------
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    return build(tmp_path_factory.mktemp("colocated") / "assets")
+
+
+@pytest.fixture(scope="module")
+def sharp_path(assets, tmp_path_factory):
+    """The teacher with its matrices re-drawn at std 0.3: same architecture, tokenizer and configs."""
+    return sharpened(assets["teacher"], tmp_path_factory.mktemp("sharp_teacher"), seed=321)
+
+
+@pytest.fixture(scope="module")
+def sharp(sharp_path):
+    return AutoModelForCausalLM.from_pretrained(sharp_path).eval()
+
+
+@pytest.fixture(scope="module")
+def sequences(sharp):
+    g = torch.Generator().manual_seed(11)
+    return [torch.randint(3, sharp.config.vocab_size, (n,), generator=g) for n in LENGTHS]
+
+
+def upstream_extractor():
+    """VERL's `extract_prompt_logprobs`, compiled from the installed verl's source (its module
+    imports vLLM, which the CPU venv does not have; the function itself needs only typing)."""
+    root = Path(importlib.util.find_spec("verl").submodule_search_locations[0])
+    tree = ast.parse((root / "workers/rollout/vllm_rollout/utils.py").read_text())
+    fn = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "extract_prompt_logprobs")
+    ns = {"Optional": Optional, "RequestOutput": object}
+    exec(compile(ast.Module(body=[fn], type_ignores=[]), "verl_extract_prompt_logprobs", "exec"), ns)
+    return ns["extract_prompt_logprobs"]
+
+
+def fake_vllm_output(logp, ids, k):
+    """vLLM's answer to `prompt_logprobs=k`: None for token 0, then per later token a
+    {token_id: Logprob(logprob, rank)} dict with that token and (k > 0) the top-k."""
+    entries = [None]
+    for j in range(1, len(ids)):
+        row, tok = logp[j - 1], ids[j]
+        rank = lambda t: int((row > row[t]).sum()) + 1  # noqa: E731  (vLLM's 1-based rank)
+        d = {tok: types.SimpleNamespace(logprob=row[tok].item(), rank=rank(tok))}
+        if k > 0:
+            for t in row.topk(k).indices.tolist():
+                d[t] = types.SimpleNamespace(logprob=row[t].item(), rank=rank(t))
+        entries.append(d)
+    return types.SimpleNamespace(prompt_logprobs=entries)
+
+
+@torch.no_grad()
+def upstream_fields(model, seq: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(teacher_logprobs, teacher_ids) of one sample as upstream's teacher loop puts them into
+    TransferQueue: direct forward -> vLLM extractor -> the teacher manager's tensor conversion."""
+    ids = seq.tolist()
+    logp = torch.log_softmax(model(input_ids=seq[None]).logits[0].float(), dim=-1)
+    extra = {}
+    upstream_extractor()(fake_vllm_output(logp, ids, k), k, extra)
+    # verl/experimental/teacher_loop/teacher_manager.py, compute_teacher_logprobs_single:
+    teacher_ids = torch.tensor(extra["prompt_ids"], dtype=torch.int32)
+    teacher_logprobs = torch.tensor(extra["prompt_logprobs"])
+    assert teacher_ids.shape[0] == teacher_logprobs.shape[0] == len(ids)
+    return teacher_logprobs, teacher_ids
+
+
+def assert_same_fields(ours, theirs):
+    (lp, ids), (ref_lp, ref_ids) = ours, theirs
+    assert lp.dtype == ref_lp.dtype == torch.float32 and ids.dtype == ref_ids.dtype == torch.int32
+    assert lp.shape == ref_lp.shape and ids.shape == ref_ids.shape
+    assert torch.equal(ids, ref_ids)
+    torch.testing.assert_close(lp, ref_lp, atol=LP_TOL, rtol=LP_TOL)  # fp32; padding changes the summation order
+
+
+def compose_recipe(recipe, teacher_path, *overrides):
+    with initialize_config_dir(config_dir=str(REPO / "recipes"), version_base=None):
+        config = compose(
+            config_name=recipe,
+            overrides=[
+                "hydra.searchpath=[pkg://verl.trainer.config]",  # as run.sh
+                "+device=cpu",
+                "actor_rollout_ref.model.path=/models/student",
+                f"distillation.teacher_models.teacher_model.model_path={teacher_path}",
+                "distillation.n_gpus_per_node=1",
+                "distillation.nnodes=1",
+                *overrides,
+            ],
+        )
+    return config
+
+
+def bare_worker(recipe, teacher_path, *overrides) -> ColocatedTeacherWorker:
+    """The worker's own state for the teacher, without Ray, FSDP or a process group."""
+    config = compose_recipe(recipe, teacher_path, *overrides)
+    worker = ColocatedTeacherWorker.__new__(ColocatedTeacherWorker)
+    worker.config, worker.distillation_config, worker.role = config.actor_rollout_ref, config.distillation, "actor_rollout"
+    worker._rank = 0
+    return worker
+
+
+def as_transferqueue_batch(seqs) -> TensorDict:
+    """`input_ids` as TransferQueue hands a batch to a worker method: jagged, one row per sample."""
+    return TensorDict({"input_ids": torch.nested.as_nested_tensor(list(seqs), layout=torch.jagged)}, batch_size=[len(seqs)])
+
+
+# ---- 1. the scoring maths, against upstream's layout ---------------------------------------------
+@pytest.mark.parametrize("max_tokens", [10_000, 45])  # one padded micro-batch; several (and lone) ones
+@pytest.mark.parametrize("chunk_size", [5, 2048])
+@pytest.mark.parametrize("k", [0, 4])
+def test_scores_equal_upstream_teacher_fields(sharp, sequences, k, chunk_size, max_tokens):
+    lps, ids = scoring.score_sequences(sharp, sequences, k, chunk_size=chunk_size, max_tokens=max_tokens)
+    for seq, lp, i in zip(sequences, lps, ids, strict=True):
+        assert_same_fields((lp, i), upstream_fields(sharp, seq, k))
+
+
+def test_row_i_is_the_distribution_of_token_i_plus_1(sharp, sequences):
+    """Alignment spelled out: K=1 row i holds token i+1 and its log-prob; the last row is a dummy."""
+    seq = sequences[-1]
+    (lp,), (ids,) = scoring.score_sequences(sharp, [seq], 0)
+    with torch.no_grad():
+        logp = torch.log_softmax(sharp(input_ids=seq[None]).logits[0].float(), dim=-1)
+    assert ids[:-1, 0].tolist() == seq[1:].tolist()
+    torch.testing.assert_close(lp[:-1, 0], logp[:-1].gather(-1, seq[1:, None])[:, 0], atol=LP_TOL, rtol=0)
+    assert lp[-1].tolist() == [0.0] and ids[-1].tolist() == [0]
+
+
+def test_micro_batches_respect_the_token_budget():
+    lengths = [5, 3, 9, 1, 9, 30]
+    groups = scoring.micro_batches(lengths, max_tokens=20)
+    assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
+    for g in groups:
+        assert len(g) == 1 or len(g) * max(lengths[i] for i in g) <= 20
+    assert [5] in groups  # longer than the budget: alone
+
+
+def test_lm_head_is_never_applied_to_more_than_a_chunk(sharp, sequences):
+    """The chunked head sees at most chunk_size positions at a time, never a whole (T, V) batch."""
+    seen = []
+    handle = sharp.get_output_embeddings().register_forward_hook(lambda m, i, o: seen.append(o.shape[0]))
+    try:
+        scoring.score_sequences(sharp, sequences, 4, chunk_size=7)
+    finally:
+        handle.remove()
+    assert max(seen) <= 7 and sum(seen) == sum(n - 1 for n in LENGTHS)
+
+
+# ---- 2. the worker: config -> teacher, TransferQueue batch -> fields ------------------------------
+@pytest.mark.parametrize("recipe,k", [("k1", 0), ("topk", 16)])
+def test_worker_method_returns_upstream_fields(sharp_path, sharp, sequences, recipe, k):
+    worker = bare_worker(recipe, sharp_path)
+    worker.init_colocated_teacher(offload=True, chunk_size=8, max_token_len=64)
+    assert worker.teacher.k == k and worker.teacher.model.dtype == torch.float32  # fp32 on the CPU
+
+    out = worker.compute_teacher_logprobs(as_transferqueue_batch(sequences))
+    assert set(out.keys()) == {"teacher_logprobs", "teacher_ids"} and out.batch_size == torch.Size([len(sequences)])
+    for seq, lp, ids in zip(sequences, out["teacher_logprobs"].unbind(), out["teacher_ids"].unbind(), strict=True):
+        assert_same_fields((lp, ids), upstream_fields(sharp, seq, k))
+
+
+def test_worker_refuses_several_teachers(sharp_path):
+    worker = bare_worker("k1", sharp_path, "distillation.n_gpus_per_node=2")
+    models = worker.distillation_config.teacher_models
+    with open_dict(models):
+        for name, key in (("first", "a"), ("second", "b")):  # upstream drops `teacher_model` then
+            models[name] = copy.deepcopy(models.teacher_model)
+            models[name].key, models[name].num_replicas = key, 1
+    with pytest.raises(NotImplementedError, match="one teacher"):
+        worker.init_colocated_teacher()
+
+
+# ---- 3. offload ----------------------------------------------------------------------------------
+def test_offload_onload_keeps_outputs_identical(sharp_path, sequences):
+    """With offload the model moves to its device for each call and back to the host after it;
+    results are bitwise those of a teacher that never moves, call after call."""
+    device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    dtype = torch.float32
+    resident = ColocatedTeacher(str(sharp_path), k=4, device=device, dtype=dtype, offload=False)
+    parked = ColocatedTeacher(str(sharp_path), k=4, device=device, dtype=dtype, offload=True)
+    assert next(parked.model.parameters()).device.type == "cpu"
+
+    moves = []
+    real_to = parked.model.to
+    parked.model.to = lambda *a, **kw: (moves.append(str(a[0] if a else kw.get("device"))), real_to(*a, **kw))[1]
+    reference = resident.score(sequences)
+    for _ in range(2):
+        again = parked.score(sequences)
+        assert next(parked.model.parameters()).device.type == "cpu"
+        for a, b in zip(reference, again, strict=True):
+            for x, y in zip(a, b, strict=True):
+                assert torch.equal(x, y)
+    assert moves == [str(device), "cpu"] * 2
+    assert next(resident.model.parameters()).device == device
+
+
+# ---- 4. plumbing that keeps upstream's teacher servers out -------------------------------------
+def test_agent_loop_workers_see_no_teacher(assets):
+    config = compose_recipe("topk", assets["teacher"])
+    quiet = without_teacher_server(config)
+    assert quiet.distillation.enabled is False and config.distillation.enabled is True  # a copy
+    assert issubclass(ColocatedTeacherAgentLoopManager, AgentLoopManagerTQ)
+    assert issubclass(get_trainer_cls("colocated_teacher"), PPOTrainerSync)
+
+
+PROBE = """
+import json
+import verl  # imports the modules named in VERL_USE_EXTERNAL_MODULES
+from verl.plugin.platform import platform_manager
+fixed = platform_manager._current_platform is not None
+from verl.trainer.ppo.v1.trainer_base import TRAINER_REGISTRY
+print(json.dumps({"mode": getattr(TRAINER_REGISTRY.get("colocated_teacher"), "__name__", None), "fixed": fixed}))
+"""
+
+
+@pytest.mark.parametrize(
+    "modules,mode", [("opd_patches", None), ("opd_patches,opd_patches.teacher.trainer", "ColocatedTeacherTrainer")]
+)
+def test_trainer_mode_registered_through_the_env_var(modules, mode):
+    """`colocated_teacher` exists in processes whose VERL_USE_EXTERNAL_MODULES names its module (main.py
+    adds it for colocated runs). opd_patches alone does not import it: VERL's trainer imports its engines,
+    which fix VERL's platform at import time."""
+    env = {k: v for k, v in os.environ.items() if k not in ("VERL_USE_EXTERNAL_MODULES", "VERL_PLATFORM")}
+    out = subprocess.run([sys.executable, "-c", PROBE], env={**env, "VERL_USE_EXTERNAL_MODULES": modules},
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.splitlines()[-1])
+    assert result["mode"] == mode
+    assert result["fixed"] == (mode is not None)
+
+
+# ---- 5. end to end: two training steps on one logical GPU, no teacher pool -----------------------
+E2E = {"k1": "actor/distillation/loss", "topk": "actor/distillation/teacher_mass"}
+
+
+@pytest.fixture(scope="module")
+def colocated_runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("colocated_e2e")
+    runs = {}
+    for recipe in E2E:
+        run_dir = out / recipe
+        env = {**os.environ, "EMBEDDED": "1", "OUTPUT_DIR": str(run_dir), "PYTHON": sys.executable,
+               "PYTHONUNBUFFERED": "1"}
+        env.pop("VERL_PLATFORM", None)  # run.sh picks the device itself
+        proc = subprocess.run(
+            [str(REPO / "run.sh"), f"recipe={recipe}", "+overlay=smoke", "opd.teacher_placement=colocated"],
+            cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
+        )
+        runs[recipe] = (proc, run_dir)
+    return runs
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", list(E2E))
+def test_two_steps_with_the_colocated_teacher(colocated_runs, recipe):
+    proc, run_dir = colocated_runs[recipe]
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log[-4000:]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        assert E2E[recipe] in r["data"] and "timing_s/teacher" in r["data"], sorted(r["data"])
+    if recipe == "topk":
+        assert all(0 < r["data"]["actor/distillation/teacher_mass"] <= 1 for r in rows)
+    assert (run_dir / "global_step_2" / "actor" / "huggingface" / "model.safetensors").exists()
+
+    config = json.loads((run_dir / "manifest.json").read_text())["config"]
+    assert config["trainer"]["v1"]["trainer_mode"] == "colocated_teacher"
+    # One logical GPU for everything: Ray saw num_gpus=1 and only the student's rollout server started.
+    assert set(re.findall(r"'num_gpus': (\d+)", log)) == {"1"}
+    assert len(set(re.findall(r"HFServer pid=(\d+)", log))) == 1
+    k = 16 if recipe == "topk" else 0
+    assert re.search(rf"\[colocated teacher\] rank 0: loaded .*teacher \(k={k}, torch.float32, offload=True\)", log)
