@@ -1,10 +1,13 @@
-"""Shared fixtures: the repository root and the embedded tiny models (built once, cached in .cache/)."""
+"""Shared fixtures: the embedded tiny models (built once, cached in .cache/) and the smoke run."""
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+RECIPES = ("k1", "topk", "topk_tail")
 
 
 @pytest.fixture(scope="session")
@@ -37,3 +40,16 @@ def sharpened(src, out, seed):
         if f.is_file() and not (Path(out) / f.name).exists():
             shutil.copy(f, Path(out) / f.name)
     return Path(out)
+
+
+@pytest.fixture(scope="session")
+def smoke(tmp_path_factory):
+    """`python -m opd_patches.smoke` for every recipe (the default, colocated teacher): (process, out dir)."""
+    out = tmp_path_factory.mktemp("smoke")
+    proc = subprocess.run(
+        [sys.executable, "-m", "opd_patches.smoke", "--out", str(out), "--timeout", "400", "--recipes", *RECIPES],
+        cwd=REPO, capture_output=True, text=True, timeout=1000,
+    )
+    return proc, out
+
+

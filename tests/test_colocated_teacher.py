@@ -275,32 +275,18 @@ def test_trainer_mode_registered_through_the_env_var(modules, mode):
 
 
 # ---- 5. end to end: two training steps on one logical GPU, no teacher pool -----------------------
-E2E = {"k1": "actor/distillation/loss", "topk": "actor/distillation/teacher_mass"}
-
-
-@pytest.fixture(scope="module")
-def colocated_runs(tmp_path_factory):
-    out = tmp_path_factory.mktemp("colocated_e2e")
-    runs = {}
-    for recipe in E2E:
-        run_dir = out / recipe
-        env = {**os.environ, "EMBEDDED": "1", "OUTPUT_DIR": str(run_dir), "PYTHON": sys.executable,
-               "PYTHONUNBUFFERED": "1"}
-        env.pop("VERL_PLATFORM", None)  # run.sh picks the device itself
-        proc = subprocess.run(
-            [str(REPO / "run.sh"), f"recipe={recipe}", "+overlay=smoke", "opd.teacher_placement=colocated"],
-            cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
-        )
-        runs[recipe] = (proc, run_dir)
-    return runs
+# The colocated teacher is the recipes' default, so the shared smoke run (conftest.smoke) is this run.
+E2E = {"k1": "actor/distillation/loss", "topk": "actor/distillation/teacher_mass",
+       "topk_tail": "actor/distillation/tail_share"}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("recipe", list(E2E))
-def test_two_steps_with_the_colocated_teacher(colocated_runs, recipe):
-    proc, run_dir = colocated_runs[recipe]
-    log = proc.stdout + proc.stderr
-    assert proc.returncode == 0, log[-4000:]
+def test_two_steps_with_the_colocated_teacher(smoke, recipe):
+    proc, out = smoke
+    run_dir = out / recipe
+    log = (run_dir / "run.log").read_text()
+    assert proc.returncode == 0, proc.stdout[-3000:] + log[-3000:]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:
@@ -314,5 +300,5 @@ def test_two_steps_with_the_colocated_teacher(colocated_runs, recipe):
     # One logical GPU for everything: Ray saw num_gpus=1 and only the student's rollout server started.
     assert set(re.findall(r"'num_gpus': (\d+)", log)) == {"1"}
     assert len(set(re.findall(r"HFServer pid=(\d+)", log))) == 1
-    k = 16 if recipe == "topk" else 0
+    k = 0 if recipe == "k1" else 16
     assert re.search(rf"\[colocated teacher\] rank 0: loaded .*teacher \(k={k}, torch.float32, offload=True\)", log)

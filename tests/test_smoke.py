@@ -1,6 +1,8 @@
 """End to end: `python -m opd_patches.smoke` (what `make smoke` runs) on the embedded default.
 
-One session-scoped run of the three recipes (about 80 s each on 2 cores) is shared by every test here.
+One session-scoped run of the three recipes (conftest.smoke, about 80 s each on 2 cores) is shared by
+every test here and by the colocated-teacher tests; the task-reward run uses the standalone teacher,
+so both placements run end to end.
 """
 
 import json
@@ -12,18 +14,9 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-RECIPES = ("k1", "topk", "topk_tail")
+from conftest import RECIPES
+
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="session")
-def smoke(tmp_path_factory):
-    out = tmp_path_factory.mktemp("smoke")
-    proc = subprocess.run(
-        [sys.executable, "-m", "opd_patches.smoke", "--out", str(out), "--timeout", "400", "--recipes", *RECIPES],
-        cwd=REPO, capture_output=True, text=True, timeout=1000,
-    )
-    return proc, out
 
 
 def test_smoke_passes_for_both_recipes(smoke):
@@ -89,11 +82,12 @@ def test_tail_loss_is_never_negative_and_reports_its_parts(smoke):
 
 @pytest.fixture(scope="session")
 def mixed(tmp_path_factory):
-    """topk_tail with task rewards mixed in (coefficient 0.5 on the distillation loss)."""
+    """topk_tail with task rewards mixed in (coefficient 0.5), with upstream's standalone teacher (hf backend)."""
     out = tmp_path_factory.mktemp("mixed")
     proc = subprocess.run(
         [sys.executable, "-m", "opd_patches.smoke", "--recipes", "topk_tail", "--out", str(out), "--timeout", "400",
-         "distillation.distillation_loss.use_task_rewards=true", "distillation.distillation_loss.distillation_loss_coef=0.5"],
+         "distillation.distillation_loss.use_task_rewards=true", "distillation.distillation_loss.distillation_loss_coef=0.5",
+         "opd.teacher_placement=standalone"],
         cwd=REPO, capture_output=True, text=True, timeout=600,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -102,6 +96,7 @@ def mixed(tmp_path_factory):
 
 def test_task_reward_mixing_scales_the_distillation_loss(mixed):
     manifest = json.loads((mixed / "topk_tail" / "manifest.json").read_text())
+    assert manifest["config"]["trainer"]["v1"]["trainer_mode"] == "sync"  # standalone teacher pool
     assert manifest["config"]["reward"]["custom_reward_function"]["path"] == "pkg://opd_patches.reward"
     rows = [json.loads(line)["data"] for line in (mixed / "topk_tail" / "metrics.jsonl").read_text().splitlines()]
     for r in rows:
