@@ -3,9 +3,11 @@
     python -m opd_patches.main --config-path recipes --config-name k1 [overrides...]
 
 (run.sh is the usual way in.) Between Hydra and VERL's own V1 trainer it only: resolves the
-project's `opd.*` keys, checks that model and data paths exist, writes `manifest.json` into the
-run folder, routes metrics to `metrics.jsonl` there, and makes every Ray process import
-opd_patches. Training itself is upstream's `TaskRunnerV1`, unchanged.
+project's `opd.*` keys (teacher placement), checks model and data paths, loss settings and
+student/teacher vocabularies, writes `manifest.json` into the run folder, routes metrics to
+`metrics.jsonl` there, and makes every Ray process import opd_patches. Training itself is
+upstream's `TaskRunnerV1` (with the colocated teacher: the registered trainer mode
+`colocated_teacher`, a subclass of upstream's sync trainer).
 """
 
 import os
