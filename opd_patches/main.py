@@ -104,6 +104,7 @@ def apply_placement(config: DictConfig) -> None:
         if config.trainer.v1.get(COLOCATED_MODE) is None:
             config.trainer.v1[COLOCATED_MODE] = {}
         config.trainer.v1[COLOCATED_MODE].offload = bool(config.opd.teacher_offload)
+        config.trainer.v1[COLOCATED_MODE].canary_every = int(config.opd.teacher_canary_every)
         config.actor_rollout_ref.rollout.agent.agent_loop_manager_class = COLOCATED_AGENT_LOOP
         # Upstream still validates the (unused) teacher pool's size: name the actor's GPUs.
         config.distillation.n_gpus_per_node = int(config.trainer.n_gpus_per_node)

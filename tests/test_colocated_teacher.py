@@ -302,3 +302,77 @@ def test_two_steps_with_the_colocated_teacher(smoke, recipe):
     assert len(set(re.findall(r"HFServer pid=(\d+)", log))) == 1
     k = 0 if recipe == "k1" else 16
     assert re.search(rf"\[colocated teacher\] rank 0: loaded .*teacher \(k={k}, torch.float32, offload=True\)", log)
+
+
+# ---- 6. the teacher canary -----------------------------------------------------------------------
+from opd_patches.teacher.canary import TeacherCanaryError  # noqa: E402
+
+
+def canary_teacher(path, canary_every=1, offload=True):
+    device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    teacher = ColocatedTeacher(str(path), k=0, device=device, dtype=torch.float32, offload=offload,
+                               canary_every=canary_every)
+    checks = []
+    real_check = teacher.canary.check
+    teacher.canary.check = lambda model: (checks.append(real_check(model)), checks[-1])[1]
+    return teacher, checks
+
+
+def test_canary_passes_on_an_unchanged_teacher_across_offload_cycles(sharp_path, sequences):
+    teacher, checks = canary_teacher(sharp_path)
+    c = teacher.canary
+    assert c.reference.numel() >= 8 and torch.isfinite(c.reference).all()
+    assert c.reference_mean < -c.log_v - 0.1  # a sharp teacher is far from uniform
+    for _ in range(3):
+        teacher.score(sequences)
+        assert next(teacher.model.parameters()).device.type == "cpu"
+    assert len(checks) == 3 and max(checks) <= c.tolerance
+
+
+@pytest.mark.parametrize("every,expected", [(2, 2), (0, 0)])
+def test_canary_every_n_calls(sharp_path, sequences, every, expected):
+    teacher, checks = canary_teacher(sharp_path, canary_every=every, offload=False)
+    for _ in range(4):
+        teacher.score(sequences[:2])
+    assert len(checks) == expected
+
+
+def test_canary_trips_when_weights_are_zeroed_after_the_reference(sharp_path, sequences):
+    teacher, _ = canary_teacher(sharp_path)
+    with torch.no_grad():
+        for p in teacher.model.parameters():
+            p.zero_()
+    assert float(teacher.canary.scan(teacher.model).mean()) == pytest.approx(-teacher.canary.log_v, abs=1e-5)
+    with pytest.raises(TeacherCanaryError, match=r"rescan: mean log-prob .* -log V .*near-uniform"):
+        teacher.score(sequences)
+
+
+def test_canary_trips_when_weights_drift(sharp_path, sequences):
+    teacher, _ = canary_teacher(sharp_path)
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        w = teacher.model.get_decoder().layers[0].mlp.down_proj.weight
+        w.add_(torch.randn(w.shape, generator=gen) * 0.05)
+    with pytest.raises(TeacherCanaryError, match=r"moved by up to .* nats .*tolerance 0\.001.*weights changed"):
+        teacher.score(sequences)
+
+
+def test_canary_trips_on_non_finite_scores(sharp_path, sequences):
+    teacher, _ = canary_teacher(sharp_path)
+    with torch.no_grad():
+        teacher.model.get_output_embeddings().weight[0, 0] = float("nan")
+    with pytest.raises(TeacherCanaryError, match="not finite"):
+        teacher.score(sequences)
+
+
+def test_canary_refuses_a_weightless_teacher_at_start_up(sharp_path, tmp_path):
+    model = AutoModelForCausalLM.from_pretrained(sharp_path)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    model.save_pretrained(tmp_path)
+    for f in Path(sharp_path).iterdir():  # tokenizer files
+        if f.is_file() and not (tmp_path / f.name).exists():
+            (tmp_path / f.name).write_bytes(f.read_bytes())
+    with pytest.raises(TeacherCanaryError, match=r"at start-up: mean log-prob .* within .* -log V = -6\.10"):
+        ColocatedTeacher(str(tmp_path), k=0, device=torch.device("cpu"), dtype=torch.float32)

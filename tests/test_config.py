@@ -133,9 +133,11 @@ def test_placement_errors_name_the_key():
 
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_colocated_placement_selects_the_colocated_teacher(recipe, tmp_path, monkeypatch):
-    c = compose_recipe(recipe, "opd.teacher_placement=colocated", "opd.teacher_offload=false")
+    c = compose_recipe(recipe, "opd.teacher_placement=colocated", "opd.teacher_offload=false",
+                       "opd.teacher_canary_every=3")
     validate(c)
     assert c.trainer.v1.trainer_mode == "colocated_teacher" and c.trainer.v1.colocated_teacher.offload is False
+    assert c.trainer.v1.colocated_teacher.canary_every == 3
     assert c.actor_rollout_ref.rollout.agent.agent_loop_manager_class == main.COLOCATED_AGENT_LOOP
     assert c.distillation.n_gpus_per_node == c.trainer.n_gpus_per_node  # no pool of its own
     monkeypatch.setenv("VERL_PLATFORM", "cpu")

@@ -13,6 +13,7 @@ Settings, under `trainer.v1.colocated_teacher` (upstream's place for per-mode se
   offload (true)            park the teacher in host memory between steps
   chunk_size (2048)         positions per lm_head/log_softmax chunk
   max_token_len (null)      padded tokens per teacher forward; null: rollout.log_prob_max_token_len_per_gpu
+  canary_every (1)          rescan the teacher canary (canary.py) every N scoring calls; 0: start-up check only
 """
 
 import dataclasses
@@ -87,6 +88,7 @@ class ColocatedTeacherTrainer(PPOTrainerSync):
             offload=bool(s.get("offload", True)),
             chunk_size=int(s.get("chunk_size") or 2048),
             max_token_len=s.get("max_token_len"),
+            canary_every=int(1 if s.get("canary_every") is None else s["canary_every"]),
         )
 
     def _compute_old_log_prob(self, batch, metrics):

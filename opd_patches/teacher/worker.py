@@ -21,6 +21,7 @@ from verl.utils.memory_utils import aggressive_empty_cache
 from verl.workers.config import DistillationConfig
 from verl.workers.engine_workers import ActorRolloutRefWorker
 
+from opd_patches.teacher.canary import TeacherCanary, TeacherCanaryError  # noqa: F401  (re-exported)
 from opd_patches.teacher.scoring import score_sequences
 
 
@@ -30,7 +31,12 @@ def worker_device() -> torch.device:
 
 
 class ColocatedTeacher:
-    """One forward-only teacher replica; parked in host memory between uses when `offload`."""
+    """One forward-only teacher replica; parked in host memory between uses when `offload`.
+
+    Its canary (canary.py) is taken on the device at load time (refusing a near-uniform, i.e.
+    weightless, teacher) and rescanned on the device, right after the onload, before every
+    `canary_every`-th `score` (0: never).
+    """
 
     def __init__(
         self,
@@ -42,6 +48,7 @@ class ColocatedTeacher:
         chunk_size: int = 2048,
         max_tokens: int = 16384,
         attn_implementation: str = "sdpa",
+        canary_every: int = 1,
     ):
         from transformers import AutoModelForCausalLM
 
@@ -55,12 +62,20 @@ class ColocatedTeacher:
         self.model.requires_grad_(False)
         self.k, self.device, self.offload = k, device, offload
         self.chunk_size, self.max_tokens = chunk_size, max_tokens
-        self.model.to("cpu" if offload else device)
+        self.canary_every, self.calls = int(canary_every), 0
+        self.model.to(device)
+        try:
+            self.canary = TeacherCanary(self.model, tokenizer=_tokenizer(model_path))
+        finally:
+            self.model.to("cpu" if offload else device)
 
     def score(self, sequences: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         if self.offload:
             self.model.to(self.device)
         try:
+            self.calls += 1
+            if self.canary_every > 0 and self.calls % self.canary_every == 0:
+                self.canary.check(self.model)
             return score_sequences(
                 self.model, sequences, self.k, chunk_size=self.chunk_size, max_tokens=self.max_tokens
             )
@@ -68,6 +83,16 @@ class ColocatedTeacher:
             if self.offload:
                 self.model.to("cpu")
                 aggressive_empty_cache(force_sync=True)
+
+
+def _tokenizer(model_path: str):
+    """The teacher's tokenizer for the canary text; None (fixed ids instead) where it has none."""
+    try:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(model_path)
+    except Exception:
+        return None
 
 
 def teacher_width(distillation: DistillationConfig) -> int:
@@ -82,7 +107,13 @@ class ColocatedTeacherWorker(ActorRolloutRefWorker):
     teacher: Optional[ColocatedTeacher] = None
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def init_colocated_teacher(self, offload: bool = True, chunk_size: int = 2048, max_token_len: Optional[int] = None):
+    def init_colocated_teacher(
+        self,
+        offload: bool = True,
+        chunk_size: int = 2048,
+        max_token_len: Optional[int] = None,
+        canary_every: int = 1,
+    ):
         """Load the teacher of `distillation.teacher_models` on this rank (after init_model)."""
         assert "actor" in self.role, "the colocated teacher lives beside the actor"
         distillation: DistillationConfig = omega_conf_to_dataclass(self.distillation_config)
@@ -104,10 +135,18 @@ class ColocatedTeacherWorker(ActorRolloutRefWorker):
             chunk_size=chunk_size,
             max_tokens=max_token_len or self.config.rollout.log_prob_max_token_len_per_gpu or 16384,
             attn_implementation=attn,
+            canary_every=canary_every,
         )
         print(
             f"[colocated teacher] rank {self.rank}: loaded {teacher.model_path} (k={self.teacher.k}, {dtype}, "
             f"offload={offload}) on {device}",
+            flush=True,
+        )
+        c = self.teacher.canary
+        print(
+            f"[colocated teacher] rank {self.rank}: canary reference mean log-prob {c.reference_mean:.4f} over "
+            f"{c.reference.numel()} tokens, log V = {c.log_v:.4f} (V={c.vocab_size}), tolerance {c.tolerance:g}, "
+            f"rescan every {canary_every} scoring call(s)" + (" (disabled)" if canary_every <= 0 else ""),
             flush=True,
         )
 
