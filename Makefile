@@ -1,4 +1,4 @@
-# make install | smoke | test | test-fast | vendor-check | validate CKPT=... | vendor
+# make install | smoke | test | test-fast | vendor-check | validate CKPT=... | preflight STUDENT=... TEACHER=... | vendor
 # PROFILE=cpu|gpu picks the dependency set (default: gpu when nvidia-smi sees a GPU).
 # PREPARED=1 uses the python3 already on PATH and installs nothing (e.g. an offline GPU host
 # where the packages were staged beforehand).
@@ -16,7 +16,7 @@ PY := $(VENV)/bin/python
 DEPS := $(VENV)/.installed-$(PROFILE)
 endif
 
-.PHONY: install smoke test test-fast vendor-check vendor validate
+.PHONY: install smoke test test-fast vendor-check vendor validate preflight
 
 install: $(DEPS)
 
@@ -47,3 +47,10 @@ vendor:
 validate: $(DEPS)
 	@test -n "$(CKPT)" || { echo "usage: make validate CKPT=<run>/global_step_N/actor/huggingface"; exit 2; }
 	$(PY) -m opd_patches.validate $(CKPT)
+
+# Student/teacher compatibility report: vocabulary, chat template, step-0 overlap statistics.
+# Exit status 2 on a mismatch. DATA (a VERL parquet) gives real prompts; PREFLIGHT_ARGS for more flags.
+PREFLIGHT_OUT ?= preflight.json
+preflight: $(DEPS)
+	@test -n "$(STUDENT)" -a -n "$(TEACHER)" || { echo "usage: make preflight STUDENT=<model> TEACHER=<model> [DATA=train.parquet] [PREFLIGHT_OUT=preflight.json]"; exit 2; }
+	$(PY) -m opd_patches.preflight --student $(STUDENT) --teacher $(TEACHER) $(if $(DATA),--data $(DATA)) --out $(PREFLIGHT_OUT) $(PREFLIGHT_ARGS)

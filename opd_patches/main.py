@@ -20,6 +20,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from opd_patches import manifest
 
 PLACEMENTS = ("standalone", "colocated")
+PREFLIGHT_MODES = ("off", "cheap", "full")
 COLOCATED_MODE = "colocated_teacher"  # trainer mode of opd_patches/teacher/trainer.py
 COLOCATED_AGENT_LOOP = "opd_patches.teacher.agent_loop.ColocatedTeacherAgentLoopManager"
 
@@ -80,6 +81,35 @@ def check_distillation(config: DictConfig) -> None:
                 f"distillation.distillation_loss.topk={loss.topk}: a top-k loss needs 1 <= topk <= vocabulary size"
                 f" ({vocab if vocab else 'unknown'})."
             )
+
+
+def _first_train_file(config: DictConfig):
+    files = config.data.get("train_files")
+    files = [files] if isinstance(files, str) else list(files or [])
+    return os.path.expanduser(str(files[0])) if files and str(files[0]).endswith(".parquet") else None
+
+
+def run_preflight(config: DictConfig, run_dir: Path) -> None:
+    """opd.preflight: cheap (vocabulary + chat template on a few real prompts; default), full (also the
+    step-0 statistics: loads both models in the driver), off. Writes preflight.json into the run folder."""
+    from opd_patches import preflight
+
+    mode = str(config.opd.get("preflight", "cheap"))
+    if mode not in PREFLIGHT_MODES:
+        raise ConfigError(f"opd.preflight={mode!r}: choose one of {PREFLIGHT_MODES}.")
+    if mode == "off":
+        return
+    student = str(config.actor_rollout_ref.model.path)
+    reports = {}
+    for key, teacher in config.distillation.teacher_models.items():
+        out = run_dir / ("preflight.json" if len(config.distillation.teacher_models) == 1 else f"preflight.{key}.json")
+        try:
+            reports[key] = preflight.run_preflight(
+                student, str(teacher.model_path), _first_train_file(config), full=(mode == "full"), strict=False, out=out
+            )
+        except preflight.PreflightError as exc:
+            raise ConfigError(f"distillation.teacher_models.{key}.model_path (pre-flight, report in {out}): {exc}") from exc
+        print(preflight.format_report(reports[key]), flush=True)
 
 
 def apply_placement(config: DictConfig) -> None:
@@ -182,6 +212,7 @@ def prepare(config: DictConfig) -> Path:
     run_dir.mkdir(parents=True, exist_ok=True)
     with open_dict(config):
         config.trainer.default_local_dir = str(run_dir)
+    run_preflight(config, run_dir)
     configure_ray(config, run_dir)
     print(f"[opd] composed config (full copy in {run_dir / 'manifest.json'}):\n{describe(config)}", flush=True)
     manifest.rotate(run_dir / "metrics.jsonl")

@@ -157,6 +157,14 @@ class ColocatedTeacherWorker(ActorRolloutRefWorker):
         input_ids = data["input_ids"]
         sequences = list(input_ids.unbind(0))
         logprobs, ids = self.teacher.score(sequences)
+        dump = os.environ.get("OPD_TEACHER_DUMP_DIR")
+        if dump:  # debugging and tests/test_colocated_scaleout.py: this rank's inputs and outputs, per call
+            self._dump_calls = getattr(self, "_dump_calls", 0) + 1
+            torch.save(
+                {"rank": self.rank, "world_size": self.world_size, "k": self.teacher.k,
+                 "input_ids": [s.clone() for s in sequences], "teacher_logprobs": logprobs, "teacher_ids": ids},
+                os.path.join(dump, f"teacher_rank{self.rank}_call{self._dump_calls}.pt"),
+            )
         return TensorDict(
             {
                 "teacher_logprobs": torch.nested.as_nested_tensor(logprobs, layout=torch.jagged),
