@@ -35,7 +35,6 @@ from transformers import AutoModelForCausalLM
 from verl.trainer.ppo.v1 import AgentLoopManagerTQ, get_trainer_cls
 from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 
-from opd_patches.embedded.build import build
 
 from conftest import sharpened
 from opd_patches.teacher import scoring, trainer  # noqa: F401  (trainer: registers "colocated_teacher")
@@ -49,8 +48,8 @@ LP_TOL = 1e-5
 
 # ---- fixtures and independent references ---------------------------------------------------------
 @pytest.fixture(scope="module")
-def assets(tmp_path_factory):
-    return build(tmp_path_factory.mktemp("colocated") / "assets")
+def assets(embedded):
+    return embedded  # conftest: the embedded models, built once
 
 
 @pytest.fixture(scope="module")

@@ -31,7 +31,6 @@ from verl.utils.device import get_device_name
 from verl.workers.config import RolloutConfig
 
 from opd_patches.backends import hf_rollout as hr
-from opd_patches.embedded.build import build
 
 from conftest import sharpened
 
@@ -46,8 +45,8 @@ LP_TOL = 1e-4
 
 # ---- fixtures and independent references ---------------------------------------------------------
 @pytest.fixture(scope="session")
-def assets(tmp_path_factory):
-    return build(tmp_path_factory.mktemp("hf_rollout") / "assets")
+def assets(embedded):
+    return embedded  # conftest: the embedded models, built once
 
 
 @pytest.fixture(scope="session")
