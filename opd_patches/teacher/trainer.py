@@ -52,7 +52,7 @@ class ColocatedTeacherTrainer(PPOTrainerSync):
 
     @trainer_mode.setter
     def trainer_mode(self, value: str) -> None:
-        self._configured_mode = value
+        pass  # upstream's __init__ assigns the configured name; this mode always answers "sync"
 
     def __init__(self, config: DictConfig):
         if not config.get("distillation", {}).get("enabled", False):
