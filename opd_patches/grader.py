@@ -15,6 +15,11 @@ answer:
    (`parsing_timeout=None`, `timeout_seconds=None`) and a worker still busy after `timeout_s` is
    killed (the call returns `decided_by="timeout"`) and started again on the next call.
 
+`GradeResult.decided_by` says which step decided: `string_match`, `math_verify` and `no_answer` are
+verdicts of the rule grader (`GradeResult.decided`); `parse_error` (math-verify could not parse the
+answer or the gold), `timeout` and `error` are not: they count as wrong for the training reward, and
+evaluation may ask a model verifier about them (`opd_patches.eval.verifier`, off by default).
+
 The worker is `python -c` loading this file by path: it imports only math-verify, not `opd_patches`
 (whose import pulls in VERL and torch). It caps its own address space and, per request, its CPU time,
 so a worker orphaned in a runaway sympy computation (its parent killed mid-call) still ends.
@@ -47,8 +52,17 @@ _WORKER_CPU_GRACE_S = 30  # a worker ends itself after this much CPU time beyond
 class GradeResult:
     correct: bool
     extracted: str | None  # the final answer found in the response, None when there is none
-    decided_by: str  # "string_match" | "math_verify" | "no_answer" | "timeout" | "error"
+    decided_by: str  # "string_match" | "math_verify" | "no_answer" | "parse_error" | "timeout" | "error"
     reason: str
+
+    @property
+    def decided(self) -> bool:
+        """Whether the rule grader reached a verdict; False for parse_error, timeout and error, the
+        cases an optional model verifier (`opd_patches.eval.verifier`) may be asked about."""
+        return self.decided_by in RULE_VERDICTS
+
+
+RULE_VERDICTS = ("string_match", "math_verify", "no_answer")
 
 
 # --- extraction -------------------------------------------------------------------------------
@@ -328,5 +342,6 @@ def grade(response: str, gold: str, timeout_s: float = DEFAULT_TIMEOUT_S, fast_p
     if verdict["correct"]:
         return GradeResult(True, answer, "math_verify", f"{source} answer is equivalent to the gold")
     unparsed = [name for name in ("gold", "answer") if not verdict[f"{name}_parsed"]]
-    why = f"math-verify could not parse the {' or '.join(unparsed)}" if unparsed else "not equivalent to the gold"
-    return GradeResult(False, answer, "math_verify", f"{source} answer: {why}")
+    if unparsed:
+        return GradeResult(False, answer, "parse_error", f"math-verify could not parse the {' or '.join(unparsed)}")
+    return GradeResult(False, answer, "math_verify", f"{source} answer is not equivalent to the gold")

@@ -146,6 +146,18 @@ def test_no_answer(response):
     assert (result.correct, result.extracted, result.decided_by) == (False, None, "no_answer")
 
 
+def test_which_grader_decided():
+    """Every result names the deciding step; parse errors are not verdicts (a verifier may be asked)."""
+    cases = [("\\boxed{4}", "4", "string_match", True), ("\\boxed{0.5}", "\\frac{1}{2}", "math_verify", True),
+             ("\\boxed{5}", "4", "math_verify", True), ("no answer here", "4", "no_answer", True),
+             ("\\boxed{\\text{}}", "4", "parse_error", False)]
+    for response, gold, decided_by, decided in cases:
+        result = grade(response, gold)
+        assert (result.decided_by, result.decided) == (decided_by, decided), (response, result)
+        assert result.reason
+    assert not grade("\\boxed{\\text{}}", "4").correct  # the training reward is unchanged: wrong
+
+
 # --- timeouts outside the main thread ---------------------------------------------------------------
 
 

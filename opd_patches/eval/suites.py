@@ -1,0 +1,81 @@
+"""Evaluation suites: a protocol file (what to sample) plus the question files it names.
+
+A protocol is a YAML file in `opd_patches/eval/protocols/` (or any path given as the suite):
+
+    name: math500_pass_at_1
+    files: [math500.jsonl]   # looked up in the evaluation data folder
+    samples: 4               # per question
+    max_new_tokens: 12288
+    seed: 42
+    temperature: 0.6
+    top_p: 0.95
+
+Short names: `math500` = math500_pass_at_1, `aime` = aime24_25_at32.
+
+Question files are JSONL rows `{"id", "problem", "answer"}` (ids unique within the suite; a row without
+an id gets `<file stem>-<line>`). The evaluation data folder is `--data-dir`, else `$OPD_EVAL_DATA`,
+else `~/data/opd-eval` (DEFAULT_DATA_DIR): the user fills it with MATH-500 / AIME 2024 / AIME 2025 in
+that form (see the README, "Evaluation").
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import yaml
+
+PROTOCOLS = Path(__file__).resolve().parent / "protocols"
+ALIASES = {"math500": "math500_pass_at_1", "aime": "aime24_25_at32"}
+DEFAULT_DATA_DIR = Path.home() / "data" / "opd-eval"
+REQUIRED = {"name": str, "files": list, "samples": int, "max_new_tokens": int, "seed": int,
+            "temperature": (int, float), "top_p": (int, float)}
+
+
+def default_data_dir() -> Path:
+    return Path(os.environ.get("OPD_EVAL_DATA") or DEFAULT_DATA_DIR).expanduser()
+
+
+def suite_names() -> list[str]:
+    return sorted(p.stem for p in PROTOCOLS.glob("*.yaml")) + sorted(ALIASES)
+
+
+def load_protocol(suite: str) -> dict:
+    """The protocol of `suite` (a name, an alias or a YAML path), validated."""
+    path = Path(suite)
+    if not (path.suffix in (".yaml", ".yml") and path.is_file()):
+        path = PROTOCOLS / f"{ALIASES.get(suite, suite)}.yaml"
+    if not path.is_file():
+        raise ValueError(f"unknown suite {suite!r}: known {', '.join(suite_names())}, or a protocol .yaml path")
+    protocol = yaml.safe_load(path.read_text()) or {}
+    for key, kind in REQUIRED.items():
+        if not isinstance(protocol.get(key), kind):
+            raise ValueError(f"protocol {path}: key {key!r} missing or not {kind}")
+    return {**protocol, "protocol_file": str(path)}
+
+
+def load_questions(protocol: dict, data_dir: Path, limit: int | None = None) -> list[dict]:
+    """[{"id", "problem", "answer", "source"}] of the suite's files, in file order; first `limit` only."""
+    data_dir = Path(data_dir).expanduser()
+    questions, seen = [], set()
+    for name in protocol["files"]:
+        path = data_dir / name
+        if not path.is_file():
+            raise FileNotFoundError(
+                f"suite {protocol['name']}: {path} is missing. Put {{id, problem, answer}} JSONL files "
+                f"({', '.join(protocol['files'])}) in {data_dir}, or point --data-dir / OPD_EVAL_DATA at them"
+            )
+        for i, line in enumerate(path.read_text().splitlines()):
+            if not line.strip():
+                continue
+            row = json.loads(line)
+            missing = [k for k in ("problem", "answer") if k not in row]
+            if missing:
+                raise KeyError(f"{path}:{i + 1} lacks {missing} (rows are {{id, problem, answer}})")
+            qid = str(row.get("id", f"{path.stem}-{i}"))
+            if qid in seen:
+                raise ValueError(f"{path}:{i + 1}: question id {qid!r} appears twice in suite {protocol['name']}")
+            seen.add(qid)
+            questions.append({"id": qid, "problem": row["problem"], "answer": str(row["answer"]), "source": path.stem})
+    return questions[:limit] if limit else questions

@@ -1,0 +1,60 @@
+"""The vLLM evaluation backend (GPU hosts with vLLM installed; `opd_patches.eval.backends` picks it).
+
+One offline `vllm.LLM` engine; `generate` submits every prompt of a chunk at once (vLLM schedules its
+own continuous batches) with one `SamplingParams` per prompt carrying that sample's seed, so results do
+not depend on batching or on where a resumed run restarted. The harness hands it chunks of
+`batch_size` (default 1,024) prompts and writes each chunk's results before the next, which bounds what
+an interruption loses. Prompts go in as token ids (no special tokens added: the chat template has the
+BOS), as in VERL's vLLM rollout. `tensor_parallel_size` is `$OPD_EVAL_TP` (default 1),
+`gpu_memory_utilization` `$OPD_EVAL_GPU_MEM` (default 0.9).
+
+With `--verifier`, the judge's engine starts after the evaluated model's is deleted, but vLLM does not
+always hand all GPU memory back within one process: set `OPD_EVAL_GPU_MEM=0.45` so that both fit.
+
+Not exercised by the CPU test suite (no vLLM there); kept small on purpose.
+"""
+
+from __future__ import annotations
+
+import os
+
+from opd_patches.eval.backends import Completion
+
+
+class VLLMBackend:
+    name = "vllm"
+
+    def __init__(self, model: str, max_model_len: int, batch_size: int | None = None, seed: int = 0):
+        from vllm import LLM, SamplingParams
+
+        self.SamplingParams = SamplingParams
+        tp = int(os.environ.get("OPD_EVAL_TP", "1"))
+        self.llm = LLM(
+            model=model,
+            dtype="auto",
+            seed=seed,
+            max_model_len=max_model_len,
+            tensor_parallel_size=tp,
+            gpu_memory_utilization=float(os.environ.get("OPD_EVAL_GPU_MEM", "0.9")),
+            enable_prefix_caching=True,  # the samples of one question share their prompt
+        )
+        self.tokenizer = self.llm.get_tokenizer()
+        self.batch_size = batch_size or 1024
+        self.description = f"vllm (tensor parallel {tp}, chunks of {self.batch_size})"
+
+    def count_tokens(self, text: str) -> int:
+        return len(self.tokenizer(text, add_special_tokens=False).input_ids)
+
+    def generate(self, prompts, max_new_tokens, temperature, top_p, seeds) -> list[Completion]:
+        params = [
+            self.SamplingParams(n=1, temperature=temperature, top_p=top_p, max_tokens=max_new_tokens, seed=s,
+                                skip_special_tokens=True)
+            for s in seeds
+        ]
+        inputs = [{"prompt_token_ids": self.tokenizer(p, add_special_tokens=False).input_ids} for p in prompts]
+        outputs = self.llm.generate(inputs, params, use_tqdm=False)
+        results = []
+        for out in outputs:  # vLLM returns outputs in input order
+            c = out.outputs[0]
+            results.append(Completion(c.text, len(c.token_ids), "length" if c.finish_reason == "length" else "stop"))
+        return results
