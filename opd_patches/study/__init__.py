@@ -1,0 +1,12 @@
+"""Studies: compare recipes over seeds, one command (`make study SPEC=...`, `python -m opd_patches.study`).
+
+    spec.py      the YAML spec, validated (errors name the key)
+    arms.py      ablation arms: control, control + one knob at a time, treatment (knob table KNOBS)
+    runner.py    one training run per (arm, seed) through run.sh, in its own session; completeness
+    progress.py  live progress lines from a run's metrics.jsonl (step, elapsed, ETA)
+    evaluate.py  which checkpoints to evaluate, the evaluation harness per checkpoint and suite
+    report.py    pooled pass@1, paired differences vs the control, report.md / report.json / report.png
+    cli.py       the study itself: lock, runs, evaluations, report
+
+Nothing here is imported by training processes.
+"""

@@ -1,0 +1,5 @@
+import sys
+
+from opd_patches.study.cli import main
+
+sys.exit(main())

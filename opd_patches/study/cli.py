@@ -1,0 +1,199 @@
+"""`make study SPEC=...` = `python -m opd_patches.study SPEC [--out DIR] [--force] [--retry-failed] [--dry-run] [--report-only]`
+
+1. Validate the spec (opd_patches/study/spec.py) and plan every (arm, seed): `<out>/runs/<arm>/seed<S>`.
+2. Take the one-run lock once (opd_patches/ops/lock.py); every run.sh it starts inherits it through
+   OPD_LOCK_HELD. Refused (another run holds it): exit 75.
+3. Train the runs one after another, skipping complete ones (runner.status), with a live progress line.
+4. Evaluate the chosen checkpoints of the complete runs (evaluate.py), skipping complete evaluations.
+5. Write report.md, report.json, report.png (report.py).
+
+A summary of what is done and left is printed at the start and at the end. Killed or interrupted
+(SIGINT, SIGTERM, SIGHUP), the study stops the training or evaluation it started (its whole process
+session) and exits 130; the same command resumes: complete runs and evaluations are skipped, an
+interrupted run resumes from its newest complete state. Exit 0 when every run and evaluation is
+complete, 1 otherwise, 2 on a spec error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+import time
+from pathlib import Path
+
+from opd_patches.study import evaluate, report, runner
+from opd_patches.study.progress import RunProgress, human
+from opd_patches.study.spec import REPO, SpecError, load
+
+STUDY_RESULT = "study_result.json"
+
+
+def log(msg: str) -> None:
+    print(f"[study] {msg}", flush=True)
+
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
+
+
+def _interrupt(signum, frame):
+    # Further signals (a group kill often sends several) must not cut short the clean-up of the child
+    # session that this exception starts (runner.run_child); SIGKILL still works.
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def _counts(plans, budget) -> dict:
+    counts = {"complete": 0, "failed": 0, "partial": 0, "new": 0}
+    for p in plans:
+        counts[runner.status(p, budget)["state"]] += 1
+    return counts
+
+
+def summary_line(spec, plans, when: str) -> str:
+    c = _counts(plans, spec.budget)
+    left = c["partial"] + c["new"]
+    return (f"{when}: {len(spec.arms)} arms x {len(spec.seeds)} seeds = {len(plans)} runs: {c['complete']} complete, "
+            f"{c['failed']} failed (non-finite), {left} to run ({c['partial']} to resume)")
+
+
+def _record(plan: runner.RunPlan, code: int, seconds: float) -> dict:
+    path = plan.run_dir / STUDY_RESULT
+    try:
+        old = json.loads(path.read_text())
+    except (OSError, ValueError):
+        old = {}
+    rec = {"launches": int(old.get("launches", 0)) + 1, "wall_s": round(float(old.get("wall_s", 0.0)) + seconds, 1),
+           "last_exit": code}
+    runner.receipts.atomic_write_json(path, rec)
+    return rec
+
+
+def train(spec, plans, retry_failed: bool) -> None:
+    walls = []
+    for i, plan in enumerate(plans, 1):
+        st = runner.status(plan, spec.budget)
+        if st["state"] == "complete" or (st["state"] == "failed" and not retry_failed):
+            log(f"run {i}/{len(plans)} {plan.label}: {st['state']} ({st['detail']}), skipped")
+            continue
+        left_after = sum(runner.status(p, spec.budget)["state"] not in ("complete", "failed") for p in plans[i:])
+
+        mean = sum(walls) / len(walls) if walls else None
+
+        def study_status(left_after=left_after, mean=mean):
+            now = progress.eta()
+            if mean is None or now is None:  # unknown until a run of this study has ended
+                rest = ""
+            else:
+                rest = f", eta ~{human(mean * left_after + now)}"
+            return f"{left_after} run{'s' if left_after != 1 else ''} after this{rest}"
+
+        what = "resuming" if st["state"] == "partial" else "starting"
+        log(f"run {i}/{len(plans)} {plan.label}: {what} ({st['detail']}) in {plan.run_dir}")
+        progress = RunProgress(plan.run_dir, f"run {i}/{len(plans)} {plan.label}", spec.budget.get("steps"),
+                               spec.budget.get("wall_clock_s"), study_status, expected_s=mean)
+        started = time.monotonic()
+        try:
+            code = runner.launch(plan, progress)
+        except KeyboardInterrupt:
+            _record(plan, "interrupted", time.monotonic() - started)
+            raise
+        seconds = time.monotonic() - started
+        walls.append(seconds)
+        _record(plan, code, seconds)
+        st = runner.status(plan, spec.budget)
+        log(f"run {i}/{len(plans)} {plan.label}: exit {code} after {human(seconds)}: {st['state']} ({st['detail']})"
+            + ("" if st["state"] == "complete" else f"; log {plan.run_dir / 'run.log'}"))
+
+
+def evaluate_all(spec, plans, out: Path) -> tuple[list, dict]:
+    jobs = []
+    for plan in plans:
+        if runner.status(plan, spec.budget)["state"] == "complete":
+            jobs += evaluate.jobs_for(plan, spec.eval, out)
+    results = {}
+    todo = [j for j in jobs if not j.missing and not evaluate.is_done(j, spec.eval)]
+    log(f"evaluations: {len(jobs)} ({len(jobs) - len(todo)} complete or missing, {len(todo)} to run)")
+    for i, job in enumerate(jobs, 1):
+        res = evaluate.run_job(job, spec.eval)
+        results[id(job)] = res
+        log(f"eval {i}/{len(jobs)} {job.name}: {res['state']}: {res['detail']}"
+            + (f" ({human(res['seconds'])})" if res["seconds"] else ""))
+    return jobs, results
+
+
+def _finish(spec, plans, jobs, results, out: Path) -> int:
+    for p in plans:
+        st = runner.status(p, spec.budget)
+        p.result = {"state": st["state"], "detail": st["detail"], "last_step": st["last_step"]}
+    data = report.build(spec, plans, jobs, results)
+    paths = report.write(out, data)
+    for g in data["groups"]:
+        for arm, d in g["diffs"].items():
+            log(f"{g['suite']} ({g['checkpoint']}): {d['verdict']}")
+    log(summary_line(spec, plans, "end"))
+    states = [r.get("state") for r in results.values()]
+    log(f"end: evaluations: {states.count('done')} run, {states.count('skipped')} already complete, "
+        f"{states.count('failed')} failed, {states.count('missing')} missing")
+    log(f"report: {paths['md']}, {paths['json']}" + (f", {paths['png']}" if paths["png"] else ""))
+    ok = all(p.result["state"] == "complete" for p in plans) and all(s in ("done", "skipped") for s in states)
+    return 0 if ok else 1
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m opd_patches.study", description=__doc__.split("\n\n")[0])
+    ap.add_argument("spec", type=Path, help="study spec YAML (e.g. recipes/studies/k1_vs_topk.yaml)")
+    ap.add_argument("--out", type=Path, help="study folder (default outputs/studies/<name>)")
+    ap.add_argument("--force", action="store_true", help="start although another run holds the lock (opd.force)")
+    ap.add_argument("--retry-failed", action="store_true", help="run again the runs that stopped on non-finite values")
+    ap.add_argument("--dry-run", action="store_true", help="print the plan (run.sh commands) and what is done; run nothing")
+    ap.add_argument("--report-only", action="store_true", help="write the report from what is on disk; run nothing")
+    args = ap.parse_args(argv)
+    try:
+        spec = load(args.spec)
+    except SpecError as exc:
+        print(f"[study] spec error: {exc}", file=sys.stderr)
+        return 2
+    for w in spec.warnings:
+        log(f"warning: {w}")
+    out = (args.out or REPO / "outputs" / "studies" / spec.name).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    plans = runner.plan_runs(spec, out)
+    runner.receipts.atomic_write_json(out / "study.json", {
+        "spec": str(spec.path.resolve()), "spec_text": spec.path.read_text(), "control": spec.control,
+        "runs": [{"arm": p.arm, "seed": p.seed, "command": p.command(), "env": p.env} for p in plans]})
+    log(f"{spec.name}: folder {out}; control {spec.control}; arms {', '.join(a.name for a in spec.arms)}")
+    log(summary_line(spec, plans, "start"))
+    if args.dry_run:
+        for p in plans:
+            st = runner.status(p, spec.budget)
+            env = " ".join(f"{k}={v}" for k, v in p.env.items())
+            log(f"{p.label} [{st['state']}]: {env + ' ' if env else ''}OUTPUT_DIR={p.run_dir} {' '.join(p.command())}")
+        return 0
+    if args.report_only:
+        jobs = [j for p in plans if runner.status(p, spec.budget)["state"] == "complete" for j in evaluate.jobs_for(p, spec.eval, out)]
+        return _finish(spec, plans, jobs, {}, out)
+
+    from opd_patches.ops import lock
+
+    device = spec.env.get("DEVICE") or __import__("os").environ.get("DEVICE", "auto")
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, _interrupt)
+    try:
+        with lock.acquire(force=args.force, gpus=[] if device == "cpu" else None, run=out,
+                          command=" ".join(sys.argv)):
+            train(spec, plans, args.retry_failed)
+            jobs, results = evaluate_all(spec, plans, out)
+            return _finish(spec, plans, jobs, results, out)
+    except lock.BUSY as exc:
+        print(f"[study] refused: {exc}", file=sys.stderr, flush=True)
+        return lock.EXIT_BUSY
+    except runner.StudyError as exc:
+        print(f"[study] error: {exc}", file=sys.stderr, flush=True)
+        return 1
+    except KeyboardInterrupt as exc:
+        log(f"interrupted ({exc or 'SIGINT'}); the process tree it started was stopped")
+        log(summary_line(spec, plans, "now") + "; the same command resumes")
+        return 130

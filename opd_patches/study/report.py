@@ -1,0 +1,194 @@
+"""The study report: `<out>/report.md`, `<out>/report.json`, `<out>/report.png`.
+
+For each (suite, checkpoint label) and each arm, from the evaluations' generations.jsonl:
+- pooled pass@1 over seeds (`stats.aggregate_seeds`: per question, all samples of all seeds) with its
+  question-clustered SE, the per-seed pass@1 and the seed-to-seed spread (std, ddof=1);
+- against the control arm, paired by question (`stats.paired_difference` on the pooled results):
+  difference, its clustered SE, the two-sided p-value (paired t) and the verdict in words ("within
+  noise" when |diff| < 2 SE or p >= 0.05).
+Seeds of one arm are pooled on the questions all of them cover (a seed with fewer is reported).
+The chart has one panel per (suite, label): bars = pooled pass@1 +/- 2 clustered SE, dots = seeds.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from opd_patches import stats
+from opd_patches.eval.summary import load_records, results
+from opd_patches.ops.receipts import atomic_write_json
+
+RULE = ("pooled pass@1 = mean over questions of each question's mean over all samples of all seeds; SE = "
+        "question-clustered (std of per-question means / sqrt(questions)); differences are paired by question "
+        "against the control; p = two-sided paired t-test; \"within noise\" when |diff| < 2 SE or p >= 0.05")
+
+
+def eval_results(out: Path, protocol_samples: int | None = None) -> dict | None:
+    """{question: [0/1...]} of one evaluation folder (its summary must be complete), else None."""
+    try:
+        summary = json.loads((Path(out) / "summary.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not summary.get("complete"):
+        return None
+    records, _ = load_records(Path(out) / "generations.jsonl")
+    samples = (summary.get("protocol") or {}).get("samples") or protocol_samples
+    if samples:  # the harness keeps lines of earlier, larger requests in the file
+        records = [r for r in records if r["sample"] < samples]
+    return results(records) if records else None
+
+
+def _num(x):
+    return None if x is None or (isinstance(x, float) and (math.isnan(x) or math.isinf(x))) else x
+
+
+def arm_block(per_seed: dict) -> dict:
+    """Pooled statistics of one arm: per_seed = {seed: results mapping}."""
+    common = set.intersection(*(set(r) for r in per_seed.values()))
+    dropped = {s: len(r) - len(common) for s, r in per_seed.items() if len(r) != len(common)}
+    agg = stats.aggregate_seeds([{q: r[q] for q in r if q in common} for r in per_seed.values()])
+    return {
+        "pass_at_1": agg["mean"],
+        "se": _num(agg["pooled"]["clustered_se"]),
+        "n_questions": agg["pooled"]["n_questions"],
+        "n_samples": agg["pooled"]["n_samples"],
+        "per_seed": {str(s): m for s, m in zip(per_seed, agg["per_seed_means"])},
+        "seed_std": _num(agg["seed_std"]),
+        "questions_dropped_per_seed": dropped,
+        "pooled_results": agg["pooled_results"],
+    }
+
+
+def build(spec, plans, jobs: list, job_results: dict) -> dict:
+    """The report data. jobs: evaluate.EvalJob list; job_results: {id(job): run_job result}."""
+    groups = {}
+    for job in jobs:
+        res = eval_results(job.out)
+        if res is None:
+            continue
+        g = groups.setdefault((job.suite, job.label), {})
+        g.setdefault(job.plan.arm, {})[job.plan.seed] = (res, job.step)
+    out_groups = []
+    arm_order = [a.name for a in spec.arms]
+    for (suite, label), by_arm in groups.items():
+        arms = {}
+        for arm in arm_order:
+            if arm in by_arm:
+                block = arm_block({s: r for s, (r, _) in by_arm[arm].items()})
+                block["steps"] = {str(s): st for s, (_, st) in by_arm[arm].items()}
+                arms[arm] = block
+        diffs = {}
+        if spec.control in arms:
+            ctrl = arms[spec.control]["pooled_results"]
+            for arm, block in arms.items():
+                if arm == spec.control:
+                    continue
+                d = stats.paired_difference(block["pooled_results"], ctrl, arm, spec.control)
+                diffs[arm] = {k: _num(d[k]) if isinstance(d[k], float) else d[k]
+                              for k in ("diff", "se", "t", "p_value", "verdict", "n_common", "p_method")}
+        out_groups.append({"suite": suite, "checkpoint": label, "arms": arms, "diffs": diffs,
+                           "missing_arms": [a for a in arm_order if a not in arms]})
+    runs = [{"arm": p.arm, "seed": p.seed, "recipe": p.recipe, "run_dir": str(p.run_dir), **p.result} for p in plans]
+    evals = [{"arm": j.plan.arm, "seed": j.plan.seed, "checkpoint": j.label, "step": j.step, "suite": j.suite,
+              "out": str(j.out), **job_results.get(id(j), {})} for j in jobs]
+    return {
+        "study": spec.name, "spec": str(spec.path), "control": spec.control, "seeds": spec.seeds,
+        "budget": spec.budget, "eval": spec.eval, "rule": RULE,
+        "arms": [{"name": a.name, "recipe": a.recipe, "overrides": a.overrides, "note": a.note} for a in spec.arms],
+        "knobs": (spec.ablation or {}).get("knobs"),
+        "runs": runs, "evaluations": evals, "groups": out_groups,
+    }
+
+
+def _f(x, fmt=".3f"):
+    return "-" if x is None else format(x, fmt)
+
+
+def markdown(data: dict, chart: str | None) -> str:
+    budget = ", ".join(f"{k} {v}" for k, v in data["budget"].items() if v is not None)
+    ck = data["eval"]["checkpoints"]
+    lines = [f"# Study `{data['study']}`", "",
+             f"Spec `{data['spec']}`; control arm **{data['control']}**; seeds {', '.join(map(str, data['seeds']))}; "
+             f"budget per run: {budget}; checkpoints: {ck if isinstance(ck, str) else ', '.join(map(str, ck))}.", "",
+             f"Statistics: {data['rule']}.", "", "## Arms", "", "| arm | recipe | overrides | note |", "|---|---|---|---|"]
+    for a in data["arms"]:
+        lines.append(f"| {a['name']} | {a['recipe']} | {'<br>'.join(f'`{o}`' for o in a['overrides']) or '-'} | {a['note'] or '-'} |")
+    lines += ["", "## Runs", "", "| arm | seed | state | detail |", "|---|---|---|---|"]
+    for r in data["runs"]:
+        lines.append(f"| {r['arm']} | {r['seed']} | {r.get('state', '?')} | {r.get('detail', '')} |")
+    for g in data["groups"]:
+        arms = g["arms"]
+        n = next(iter(arms.values()))
+        lines += ["", f"## {g['suite']}, checkpoint {g['checkpoint']}", "",
+                  f"{n['n_questions']} questions; samples pooled over seeds.", "",
+                  f"| arm | pass@1 | SE | per seed | seed std | diff vs {data['control']} | SE diff | p | verdict |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for arm, b in arms.items():
+            seeds = ", ".join(f"{s}: {m:.3f}" for s, m in b["per_seed"].items())
+            d = g["diffs"].get(arm)
+            if d:
+                verdict = d["verdict"].split(" (")[0]
+                tail = f"{d['diff']:+.3f} | {_f(d['se'])} | {_f(d['p_value'], '.3g')} | {verdict} |"
+            else:
+                tail = "(control) | | | |" if arm == data["control"] else "- | - | - | no control results |"
+            lines.append(f"| {arm} | {b['pass_at_1']:.3f} | {_f(b['se'])} | {seeds} | {_f(b['seed_std'])} | {tail}")
+        if g["missing_arms"]:
+            lines.append(f"\nNo complete evaluation for: {', '.join(g['missing_arms'])}.")
+        if g["diffs"]:
+            lines += ["", "In words:"]
+            lines += [f"- {arm} vs {data['control']}: {d['verdict']}" for arm, d in g["diffs"].items()]
+    if not data["groups"]:
+        lines += ["", "No complete evaluation yet."]
+    failed = [e for e in data["evaluations"] if e.get("state") in ("failed", "missing")]
+    if failed:
+        lines += ["", "## Evaluations not available", ""]
+        lines += [f"- {e['arm']} seed {e['seed']} {e['checkpoint']} {e['suite']}: {e['state']}: {e.get('detail', '')}" for e in failed]
+    if chart:
+        lines += ["", f"![pass@1 per arm]({chart})"]
+    return "\n".join(lines) + "\n"
+
+
+def chart(data: dict, path: Path) -> Path | None:
+    if not data["groups"]:
+        return None
+    from opd_patches.eval.plot import _pyplot
+
+    plt = _pyplot()
+    groups = data["groups"]
+    width = max(4.5, 1.1 * max(len(g["arms"]) for g in groups) + 1.2)
+    fig, axes = plt.subplots(1, len(groups), figsize=(width * len(groups), 3.8), squeeze=False)
+    for ax, g in zip(axes[0], groups):
+        names = list(g["arms"])
+        means = [g["arms"][a]["pass_at_1"] for a in names]
+        errs = [2 * (g["arms"][a]["se"] or 0.0) for a in names]
+        colors = ["tab:gray" if a == data["control"] else "tab:blue" for a in names]
+        ax.bar(range(len(names)), means, yerr=errs, capsize=5, color=colors, alpha=0.8)
+        for x, a in enumerate(names):
+            seeds = list(g["arms"][a]["per_seed"].values())
+            ax.scatter([x] * len(seeds), seeds, color="black", s=12, zorder=3)
+        ax.set_xticks(range(len(names)))
+        ax.set_xticklabels(names, rotation=20, ha="right", fontsize=8)
+        ax.set_ylim(0, max(0.05, min(1.0, max(m + e for m, e in zip(means, errs)) * 1.25)))
+        ax.set_ylabel("pass@1")
+        ax.set_title(f"{g['suite']} ({g['checkpoint']})", fontsize=9)
+    fig.suptitle(f"study {data['study']}\npooled pass@1 +/- 2 clustered SE; dots: seeds", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def write(out: Path, data: dict) -> dict:
+    """report.json (without per-question rows), report.png, report.md; returns the paths."""
+    out = Path(out)
+    png = chart(data, out / "report.png")
+    slim = {**data, "groups": [{**g, "arms": {a: {k: v for k, v in b.items() if k != "pooled_results"}
+                                                for a, b in g["arms"].items()}} for g in data["groups"]]}
+    atomic_write_json(out / "report.json", slim)
+    md = out / "report.md"
+    tmp = md.with_name("report.md.tmp")
+    tmp.write_text(markdown(data, png.name if png else None))
+    tmp.replace(md)
+    return {"md": md, "json": out / "report.json", "png": png}

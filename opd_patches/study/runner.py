@@ -1,0 +1,208 @@
+"""One (arm, seed) training run of a study: its folder, whether it is done, and launching it via run.sh.
+
+Run folder `<out>/runs/<arm>/seed<S>` (= run.sh's OUTPUT_DIR = trainer.default_local_dir) holds, besides
+what every run writes (manifest, metrics.jsonl, global_step_N/ with receipts, run_summary.json):
+- `study_run.json`: the run's identity (recipe, overrides, env), written before the first launch; a later
+  study with other settings for the same folder is refused (its states would mix);
+- `study_child.json`: the session id of the launched process tree; a study refuses to start a run while
+  a process of an earlier launch still lives (e.g. after the study itself was SIGKILLed);
+- `run.log`: run.sh's output (appended per launch).
+
+A run is *complete* when its run_summary.json says finished (with at least the budget's steps) or
+wall_clock, and a complete (receipted) state exists; *failed* when it says non_finite (not retried:
+`--retry-failed`); anything else (new, killed, crashed) is launched again with trainer.resume_mode=auto,
+which resumes from the newest complete state.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from opd_patches.ops import checkpoints, receipts
+from opd_patches.ops import summary as run_summary
+from opd_patches.study.spec import REPO, Spec, seed_overrides
+
+IDENTITY = "study_run.json"
+CHILD = "study_child.json"
+DONE_STATUSES = ("finished", "wall_clock")
+POLL_S = 2.0
+
+
+class StudyError(RuntimeError):
+    """The study cannot go on; the message says what to do."""
+
+
+@dataclass
+class RunPlan:
+    arm: str
+    seed: int
+    recipe: str
+    overrides: list[str]  # everything after recipe= on run.sh's command line
+    env: dict
+    run_dir: Path
+    note: str = ""
+    result: dict = field(default_factory=dict)
+
+    @property
+    def label(self) -> str:
+        return f"{self.arm} seed {self.seed}"
+
+    def identity(self) -> dict:
+        """What makes two launches the same run (the budget may grow: a longer budget resumes the run)."""
+        budget = ("trainer.total_training_steps=", "opd.wall_clock_s=", "opd.reserve_s=")
+        return {"arm": self.arm, "seed": self.seed, "recipe": self.recipe, "env": self.env,
+                "overrides": [o for o in self.overrides if not o.startswith(budget)]}
+
+    def command(self) -> list[str]:
+        return [str(REPO / "run.sh"), f"recipe={self.recipe}", *self.overrides]
+
+
+def plan_runs(spec: Spec, out: Path) -> list[RunPlan]:
+    """Every (arm, seed), arm-major. Override order: resume + name, common, arm, budget, seed (last: it wins)."""
+    plans = []
+    for arm in spec.arms:
+        for seed in spec.seeds:
+            overrides = ["trainer.resume_mode=auto", f"trainer.experiment_name={spec.name}-{arm.name}-seed{seed}",
+                         *spec.overrides, *arm.overrides, *spec.budget_overrides(), *seed_overrides(seed)]
+            plans.append(RunPlan(arm.name, seed, arm.recipe, overrides, dict(spec.env),
+                                 Path(out) / "runs" / arm.name / f"seed{seed}", arm.note))
+    return plans
+
+
+def status(plan: RunPlan, budget: dict) -> dict:
+    """{"state": complete|failed|partial|new, "detail": str, "summary": run_summary or None, "last_step": int|None}."""
+    run_dir = plan.run_dir
+    newest = checkpoints.newest_complete(run_dir)
+    last = int(newest.name.split("_")[-1]) if newest else None
+    summ = run_summary.read(run_dir)
+    base = {"summary": summ, "last_step": last}
+    if summ is None:
+        state = "partial" if run_dir.exists() and any(run_dir.iterdir()) else "new"
+        return {**base, "state": state, "detail": "no run_summary.json" if state == "partial" else "not started"}
+    st = summ.get("status")
+    if st in DONE_STATUSES and last is not None:
+        steps = budget.get("steps")
+        if st == "finished" and steps is not None and int(summ.get("steps_done") or 0) < steps and (last or 0) < steps:
+            return {**base, "state": "partial", "detail": f"finished {summ.get('steps_done')} steps, budget now {steps}"}
+        return {**base, "state": "complete", "detail": f"{st} after step {summ.get('steps_done')}, newest complete state {last}"}
+    if st == "non_finite":
+        return {**base, "state": "failed", "detail": f"non_finite: {summ.get('reason')}"}
+    return {**base, "state": "partial", "detail": f"status {st}: {summ.get('reason')}"}
+
+
+def check_identity(plan: RunPlan) -> None:
+    path = plan.run_dir / IDENTITY
+    mine = plan.identity()
+    if path.exists():
+        try:
+            old = json.loads(path.read_text())
+        except ValueError:
+            old = None
+        if old != mine:
+            raise StudyError(
+                f"{plan.run_dir} holds a run made with other settings ({path}: {old} != now {mine}); its states "
+                "would mix with this one. Use another --out / OUT=, or delete that run folder")
+    else:
+        plan.run_dir.mkdir(parents=True, exist_ok=True)
+        receipts.atomic_write_json(path, mine)
+
+
+def session_pids(sid: int) -> list[int]:
+    """Live processes of session `sid` (from ps; zombies excluded)."""
+    out = subprocess.run(["ps", "-eo", "pid=,sid=,stat="], capture_output=True, text=True).stdout
+    pids = []
+    for line in out.splitlines():
+        parts = line.split()
+        if len(parts) >= 3 and int(parts[1]) == sid and not parts[2].startswith("Z") and int(parts[0]) != os.getpid():
+            pids.append(int(parts[0]))
+    return pids
+
+
+def check_no_leftover(plan: RunPlan) -> None:
+    path = plan.run_dir / CHILD
+    if not path.exists():
+        return
+    try:
+        sid = int(json.loads(path.read_text())["sid"])
+    except (ValueError, KeyError, TypeError):
+        return
+    alive = session_pids(sid)
+    if alive:
+        raise StudyError(f"{plan.label}: processes of an earlier launch of this run still live (session {sid}, pids "
+                         f"{alive[:8]}); stop them (kill -- -{sid}) or wait, then start the study again")
+
+
+def stop_session(proc: subprocess.Popen, grace_s: float = 20.0) -> None:
+    """SIGTERM the child's process group, SIGKILL what is left after `grace_s`, then any process left in
+    its session (Ray starts some helpers in process groups of their own)."""
+    sid = proc.pid
+    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(sid, sig)
+        except ProcessLookupError:
+            pass
+        try:
+            proc.wait(timeout=wait)
+            break
+        except subprocess.TimeoutExpired:
+            continue
+    deadline = time.monotonic() + 10
+    while (left := session_pids(sid)) and time.monotonic() < deadline:
+        for pid in left:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.5)
+
+
+def run_child(cmd: list[str], env: dict, log_path: Path, child_file: Path | None = None, poll=None) -> int:
+    """Run `cmd` in its own session with output appended to `log_path`; `poll()` is called every POLL_S
+    (its non-empty return is printed). Stops the whole session if this process is interrupted."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "a") as log:
+        log.write(f"\n[study] {time.strftime('%Y-%m-%d %H:%M:%S')} launching: {' '.join(cmd)}\n")
+        log.flush()
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        if child_file is not None:
+            receipts.atomic_write_json(child_file, {"pid": proc.pid, "sid": proc.pid, "cmd": cmd[:3]})
+        try:
+            while True:
+                try:
+                    code = proc.wait(timeout=POLL_S)
+                    break
+                except subprocess.TimeoutExpired:
+                    pass
+                if poll is not None and (line := poll()):
+                    print(line, flush=True)
+        except BaseException:
+            stop_session(proc)
+            raise
+        for pid in session_pids(proc.pid):  # the leader exited; helpers of its session go with it
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    if poll is not None and (line := poll()):
+        print(line, flush=True)
+    return code
+
+
+def run_env(plan: RunPlan) -> dict:
+    env = {**os.environ, **plan.env, "OUTPUT_DIR": str(plan.run_dir), "PYTHONUNBUFFERED": "1"}
+    env.setdefault("PYTHON", sys.executable)
+    return env
+
+
+def launch(plan: RunPlan, progress) -> int:
+    """Launch (or resume) one run; returns run.sh's exit status."""
+    check_identity(plan)
+    check_no_leftover(plan)
+    return run_child(plan.command(), run_env(plan), plan.run_dir / "run.log", plan.run_dir / CHILD, progress.poll)

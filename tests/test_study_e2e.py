@@ -1,0 +1,119 @@
+"""A tiny study end to end from one command (`make study SPEC=recipes/studies/smoke.yaml OUT=...`):
+2 arms (k1, topk) x 2 seeds x 2 real training steps on the embedded models, then 3 MATH-500 questions x
+2 samples x 16 tokens on each run's last checkpoint, then the report.
+
+One study is shared by every assertion: it is killed (SIGTERM to its process group, as a terminal's
+Ctrl-C or a scheduler would) once the first run is complete and the second has started, then the same
+command is run again to the end: the first run must be skipped (never relaunched), the second resumed,
+the rest trained, evaluated and reported. Questions come from ../shared/data/math (skipped where absent).
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from opd_patches.ops import checkpoints
+from opd_patches.study import runner
+
+REPO = Path(__file__).resolve().parents[1]
+DATA = REPO.parent / "shared" / "data" / "math"
+PNG = b"\x89PNG\r\n\x1a\n"
+RUNS = [("k1", 1), ("k1", 2), ("topk", 1), ("topk", 2)]
+pytestmark = pytest.mark.slow
+
+
+def _wait_session_empty(sid: int, timeout: float) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while (left := runner.session_pids(sid)) and time.monotonic() < deadline:
+        time.sleep(1)
+    return left
+
+
+@pytest.fixture(scope="module")
+def study(tmp_path_factory, embedded):
+    if not (DATA / "math500.jsonl").exists():
+        pytest.skip(f"{DATA}/math500.jsonl is missing: evaluation questions live in ../shared/data/math")
+    out = tmp_path_factory.mktemp("study") / "smoke"
+    env = {**os.environ, "OPD_EVAL_DATA": str(DATA)}
+    cmd = ["make", "-s", "study", "PREPARED=1", f"PY={sys.executable}", "SPEC=recipes/studies/smoke.yaml", f"OUT={out}"]
+    first_log = out.parent / "first.log"
+    run = {name: out / "runs" / name[0] / f"seed{name[1]}" for name in RUNS}
+    seen = {}
+    with open(first_log, "w") as log:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + 900
+        # kill once run 1 is complete and run 2's process tree has been up for a while (Ray started)
+        while time.monotonic() < deadline and proc.poll() is None:
+            child = run[RUNS[1]] / runner.CHILD
+            if child.exists() and time.time() - child.stat().st_mtime > 25:
+                break
+            time.sleep(2)
+        seen["first_still_running"] = proc.poll() is None
+        seen["run1_at_kill"] = [(s["step"], s["complete"]) for s in checkpoints.list_states(run[RUNS[0]])]
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=60)
+        seen["study_left"] = _wait_session_empty(proc.pid, 90)  # the study stops its run, then exits
+        child = json.loads((run[RUNS[1]] / runner.CHILD).read_text())
+        seen["run2_left"] = _wait_session_empty(child["sid"], 30)
+        for pid in seen["study_left"] + seen["run2_left"]:  # never leave a stray tree behind a failed assertion
+            os.kill(pid, signal.SIGKILL)
+    second = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1500)
+    (out.parent / "second.log").write_text(second.stdout + second.stderr)  # for a failed assertion's reader
+    return {"out": out, "run": run, "first": first_log.read_text(), "second": second, "seen": seen}
+
+
+def test_kill_stops_the_study_and_its_run(study):
+    seen, first = study["seen"], study["first"]
+    assert seen["first_still_running"], first
+    assert seen["study_left"] == [] and seen["run2_left"] == [], seen  # no training process outlives the kill
+    assert "interrupted" in first and "the same command resumes" in first, first
+    assert "start: 2 arms x 2 seeds = 4 runs: 0 complete" in first
+    # progress lines of the first run: step, elapsed, ETA
+    assert "[study] run 1/4 k1 seed 1: step 2/2, elapsed" in first and " s/step, eta " in first, first
+    assert (2, True) in seen["run1_at_kill"]
+
+
+def test_resume_skips_the_complete_run(study):
+    second, run = study["second"], study["run"]
+    assert second.returncode == 0, second.stdout[-4000:] + second.stderr[-4000:]
+    out = second.stdout
+    assert "start: 2 arms x 2 seeds = 4 runs: 1 complete" in out, out
+    assert "run 1/4 k1 seed 1: complete (finished after step 2" in out and "skipped" in out
+    assert "run 2/4 k1 seed 2: resuming" in out
+    first = json.loads((run[RUNS[0]] / "study_result.json").read_text())
+    assert first["launches"] == 1 and not (run[RUNS[0]] / "metrics.1.jsonl").exists()  # never relaunched
+    assert json.loads((run[RUNS[1]] / "study_result.json").read_text())["launches"] == 2
+    assert "end: 2 arms x 2 seeds = 4 runs: 4 complete" in out
+
+
+def test_every_run_trained_and_evaluated(study):
+    out_dir = study["out"]
+    for arm, seed in RUNS:
+        run = study["run"][(arm, seed)]
+        summary = json.loads((run / "run_summary.json").read_text())
+        assert summary["status"] == "finished" and summary["last_complete_step"] == 2, (arm, seed, summary)
+        config = json.loads((run / "manifest.json").read_text())["config"]  # the seed keys reached the trainer
+        assert config["data"]["seed"] == seed and config["actor_rollout_ref"]["rollout"]["seed"] == seed
+        assert config["actor_rollout_ref"]["actor"]["data_loader_seed"] == seed
+        s = json.loads((out_dir / "evals" / arm / f"seed{seed}" / "global_step_2" / "math500" / "summary.json").read_text())
+        assert s["complete"] and (s["n_questions"], s["n_samples"]) == (3, 6) and s["step"] == 2
+
+
+def test_report_table_and_chart(study):
+    out_dir = study["out"]
+    md = (out_dir / "report.md").read_text()
+    assert "| arm | pass@1 | SE | per seed | seed std | diff vs k1 | SE diff | p | verdict |" in md, md
+    assert "| k1 | " in md and "| topk | " in md and "## math500, checkpoint last" in md
+    assert "topk vs k1: " in md and ("within noise" in md or "is better than" in md)
+    assert (out_dir / "report.png").read_bytes()[:8] == PNG
+    data = json.loads((out_dir / "report.json").read_text())
+    [group] = data["groups"]
+    assert set(group["arms"]) == {"k1", "topk"} and set(group["arms"]["k1"]["per_seed"]) == {"1", "2"}
+    assert group["diffs"]["topk"]["n_common"] == 3
+    assert "report: " in study["second"].stdout
