@@ -216,8 +216,9 @@ def test_worker_refuses_several_teachers(sharp_path):
 
 # ---- 3. offload ----------------------------------------------------------------------------------
 def test_offload_onload_keeps_outputs_identical(sharp_path, sequences):
-    """With offload the model moves to its device for each call and back to the host after it;
-    results are bitwise those of a teacher that never moves, call after call."""
+    """With offload the model is onloaded for each call (the canary and the scoring run on the device)
+    and points back to its host copy after it; results are bitwise those of a teacher that never
+    moves, call after call."""
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     dtype = torch.float32
     resident = ColocatedTeacher(str(sharp_path), k=4, device=device, dtype=dtype, offload=False)
@@ -225,8 +226,10 @@ def test_offload_onload_keeps_outputs_identical(sharp_path, sequences):
     assert next(parked.model.parameters()).device.type == "cpu"
 
     moves = []
-    real_to = parked.model.to
-    parked.model.to = lambda *a, **kw: (moves.append(str(a[0] if a else kw.get("device"))), real_to(*a, **kw))[1]
+    for name in ("_onload", "_offload"):
+        method = getattr(parked, name)
+        setattr(parked, name, lambda method=method, name=name: (moves.append(name), method())[1])
+    parked.model.get_decoder().register_forward_pre_hook(lambda m, args: moves.append(next(m.parameters()).device))
     reference = resident.score(sequences)
     for _ in range(2):
         again = parked.score(sequences)
@@ -234,7 +237,12 @@ def test_offload_onload_keeps_outputs_identical(sharp_path, sequences):
         for a, b in zip(reference, again, strict=True):
             for x, y in zip(a, b, strict=True):
                 assert torch.equal(x, y)
-    assert moves == [str(device), "cpu"] * 2
+    # per call: onload, the canary rescan's forward, the scoring forward(s) on the device, offload
+    calls = " ".join(m if isinstance(m, str) else "fwd" for m in moves).split("_offload")
+    assert len(calls) == 3 and calls[-1] == "" and all(c.strip().startswith("_onload fwd") for c in calls[:2])
+    assert all(m == device for m in moves if not isinstance(m, str))
+    host = parked._host  # the page-locked (on accelerators) host copy the offload points back to
+    assert all(p.data_ptr() == host[n].data_ptr() for n, p in parked.model.named_parameters())
     assert next(resident.model.parameters()).device == device
 
 

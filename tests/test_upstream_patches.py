@@ -1,4 +1,4 @@
-"""Guards for the two run-time patches in opd_patches/backends/upstream_patches.py.
+"""Guards for the run-time patches in opd_patches/backends/upstream_patches.py.
 
 If one of these fails after a VERL or torch upgrade, the patched upstream code moved or changed:
 re-read it, then adapt or delete the patch. Do not loosen the assertions.
@@ -72,3 +72,126 @@ def test_rollout_class_registry_is_still_the_private_dict():
     from opd_patches.backends.hf_rollout import HFServerAdapter
 
     assert rollout_base.get_rollout_class("hf", "async") is HFServerAdapter
+
+
+def test_topk_logits_processor_still_looks_up_the_wrapped_function_at_call_time():
+    """The tail term and the memory-lean mode rely on VERL reading `fsdp_losses.compute_forward_kl_topk`
+    from the module on every call (so the wrapper is what runs), with the arguments it forwards."""
+    from verl.trainer.distillation import losses as distill_losses
+    from verl.trainer.distillation.fsdp import losses as fsdp_losses
+
+    assert "distillation_loss_fn = fsdp_losses.compute_forward_kl_topk" in inspect.getsource(
+        distill_losses.compute_topk_loss
+    )
+    original = fsdp_losses.compute_forward_kl_topk.__wrapped__
+    assert list(inspect.signature(original).parameters) == [
+        "student_logits", "teacher_topk_log_probs", "teacher_topk_ids", "config", "data_format"
+    ]
+    # The lean kernel reproduces exactly these semantics (losses/lean_topk.py): change them, re-derive it.
+    source = inspect.getsource(original)
+    for line in (
+        "student_topk_log_probs.clamp_min(loss_config.log_prob_min_clamp)",
+        "teacher_topk_log_probs.clamp_min(loss_config.log_prob_min_clamp)",
+        "distillation_losses = kl_divergence(log_q=student_topk_log_probs, log_p=teacher_topk_log_probs)",
+        "student_mass = student_topk_log_probs.exp().sum(dim=-1)",
+    ):
+        assert line in source, line
+
+
+@pytest.mark.parametrize("loss_mode", ["forward_kl_topk", "forward_kl_topk_tail"])
+def test_lean_mode_of_the_wrapper_gives_the_originals_outputs(monkeypatch, loss_mode):
+    from types import SimpleNamespace
+
+    import torch
+    from verl.trainer.distillation.fsdp import losses as fsdp_losses
+
+    from opd_patches.losses import lean_topk
+
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(1, 11, 50, generator=gen) * 3
+    lp, ids = torch.log_softmax(torch.randn(11, 50, generator=gen) * 3, -1).topk(6, -1)
+    offsets = torch.tensor([0, 4, 11])
+    nested = [torch.nested.nested_tensor_from_jagged(x, offsets) for x in (lp, ids)]
+    config = SimpleNamespace(distillation_loss=SimpleNamespace(
+        loss_mode=loss_mode, log_prob_min_clamp=-10.0, use_chunked_topk=False))
+    results = {}
+    for mode in ("0", "1"):
+        monkeypatch.setenv(lean_topk.ENV, mode)
+        z = logits.clone().requires_grad_(True)
+        out = fsdp_losses.compute_forward_kl_topk(z, *nested, config, "thd")
+        sum(out[k].sum() for k in ("distillation_losses", "tail_losses") if k in out).backward()
+        results[mode] = (out, z.grad)
+    (plain, g0), (lean, g1) = results["0"], results["1"]
+    assert set(plain) == set(lean) and ("tail_losses" in lean) == (loss_mode == "forward_kl_topk_tail")
+    for key in plain:
+        torch.testing.assert_close(lean[key].to(plain[key].dtype), plain[key], rtol=1e-5, atol=1e-6, msg=key)
+    torch.testing.assert_close(g1, g0, rtol=1e-5, atol=1e-6)
+
+
+# ---- patch 5: the sampled-token log-prob fallback (losses/sampled_logprob.py) ----------------------
+
+
+def test_logprobs_fallback_is_still_v2_looked_up_at_call_time():
+    """Patch 5 replaces the module attribute `logprobs_from_logits_v2`; that reaches the engine only while
+    upstream's `logprobs_from_logits` reads it from torch_functional's globals, after the flash-attn and
+    NPU branches, with (logits, labels)."""
+    import verl.utils.torch_functional as verl_F
+
+    source = inspect.getsource(verl_F.logprobs_from_logits)
+    assert "if _use_flash_ce:" in source and "elif NPU_CROSS_ENTROPY_LOSS_AVAILABLE:" in source
+    assert "    else:\n        output = logprobs_from_logits_v2(logits, labels)" in source
+    assert verl_F.logprobs_from_logits.__globals__ is vars(verl_F)
+    original = verl_F.logprobs_from_logits_v2.__wrapped__
+    assert list(inspect.signature(original).parameters) == ["logits", "labels"]
+    # The kernel reproduces these semantics (fp32 logsumexp for fp32/fp64, per-row log_softmax otherwise).
+    v2 = inspect.getsource(original)
+    assert "torch.logsumexp(logit, dim=-1)" in v2 and "F.log_softmax(row_logits, dim=-1)" in v2
+
+
+def test_every_binding_of_logprobs_from_logits_reaches_the_patch():
+    """`from verl.utils.torch_functional import logprobs_from_logits` copies the function object, not v2:
+    each importer (the FSDP engine above all) must hold upstream's function, and nothing in verl may
+    bind `logprobs_from_logits_v2` itself (that copy would bypass the patch)."""
+    from pathlib import Path
+
+    import verl
+    import verl.utils.torch_functional as verl_F
+    from verl.workers.engine.fsdp import transformer_impl
+
+    assert transformer_impl.logprobs_from_logits is verl_F.logprobs_from_logits
+    call = inspect.getsource(transformer_impl.FSDPEngineWithLMHead.prepare_model_outputs)
+    assert call.count("log_probs = logprobs_from_logits(") == 2
+    root = Path(verl.__file__).parent
+    users = sorted(str(p.relative_to(root)) for p in root.rglob("*.py")
+                   if "logprobs_from_logits_v2" in p.read_text(errors="replace"))
+    assert users == ["utils/torch_functional.py"], users
+    # The other importers (optional engines: automodel, torchtitan, naive rollout, prefix grouper) import
+    # the same function object by name, so they reach the patch too.
+    importers = sorted(str(p.relative_to(root)) for p in root.rglob("*.py")
+                       if "import logprobs_from_logits" in p.read_text(errors="replace"))
+    for rel in importers:
+        assert "from verl.utils.torch_functional import logprobs_from_logits\n" in (root / rel).read_text(), rel
+    assert "workers/engine/fsdp/transformer_impl.py" in importers
+
+
+@pytest.mark.parametrize("fast", ["1", "0"])
+def test_the_engines_logprobs_call_takes_the_patched_path(monkeypatch, fast):
+    """Call the FSDP engine's own binding, as prepare_model_outputs does: on -> the chunked kernel's
+    autograd node, off -> upstream's v2. (Where flash-attn is installed, upstream's path wins: skip.)"""
+    import torch
+    import verl.utils.torch_functional as verl_F
+    from verl.workers.engine.fsdp import transformer_impl
+
+    from opd_patches.losses import sampled_logprob
+
+    if verl_F.FLAH_ATTN_CROSS_ENTROPY_LOSS_AVAILABLE or verl_F.NPU_CROSS_ENTROPY_LOSS_AVAILABLE:
+        pytest.skip("flash-attn or torch_npu installed: upstream's own kernel runs, the fallback is never hit")
+    monkeypatch.setenv(sampled_logprob.ENV, fast)
+    logits = torch.randn(7, 50, dtype=torch.bfloat16, requires_grad=True)
+    labels = torch.randint(0, 50, (7,))
+    out = transformer_impl.logprobs_from_logits(logits=logits, labels=labels, inplace_backward=True)
+    nodes = [out.grad_fn] + [fn for fn, _ in out.grad_fn.next_functions if fn is not None]
+    taken = [type(fn).__name__ for fn in nodes]  # the kernel's node sits under a view
+    assert any("SampledLogprob" in name for name in taken) == (fast == "1"), taken
+    ref = torch.log_softmax(logits.detach().float(), -1).gather(-1, labels[:, None])[:, 0]
+    torch.testing.assert_close(out.float(), ref, rtol=1e-2, atol=1e-2)

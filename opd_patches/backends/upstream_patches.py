@@ -14,8 +14,18 @@ loudly if the patched upstream function moves or changes shape.
    actor's forward pass, where VERL calls `verl.trainer.distillation.fsdp.losses.
    compute_forward_kl_topk` for every top-k loss. We wrap that one function: it runs unchanged and,
    for the tail loss only, adds one more per-token output (`tail_losses`).
+   Memory-lean mode: when `opd.lean_topk` is on (env OPD_LEAN_TOPK=1, losses/lean_topk.py), the same wrapper
+   computes both top-k losses with the memory-lean exact kernel instead of calling the original;
+   the outputs (keys, shapes, values, gradients) are the original's.
 4. Upstream's registered `forward_kl_topk` clamps negative per-token losses at 0 without saying how
    often; its registry entry is wrapped to also report `distillation/clamped_frac`.
+5. Sampled-token log-probs without flash-attn: `verl.utils.torch_functional.logprobs_from_logits`
+   falls back to `logprobs_from_logits_v2`, a Python loop over rows for bf16 (130x slower than one
+   batched log_softmax on an H200). `logprobs_from_logits` reads `logprobs_from_logits_v2` from its
+   module's globals on every call, so replacing that one module attribute reaches every
+   `from ... import logprobs_from_logits` binding (the FSDP engine's included) and nothing else:
+   flash-attn and NPU keep their paths. On (env OPD_FAST_LOGPROBS, key `opd.fast_logprobs`), it runs
+   the exact chunked kernel of losses/sampled_logprob.py; off, the original.
 """
 
 import functools
@@ -24,6 +34,7 @@ import torch.distributed
 from verl.workers.config.distillation import DistillationTeacherModelConfig
 
 _MARK = "_opd_patched"
+_ANNOUNCED = set()  # loss modes / kernels that announced their path in this process
 
 
 def dedupe_backend(backend):
@@ -75,21 +86,35 @@ def _patch_topk_logits_processor():
     import verl.trainer.distillation.fsdp.losses as fsdp_losses
     from verl.utils.ulysses import get_ulysses_sequence_parallel_world_size, slice_input_tensor
 
+    from opd_patches.losses import lean_topk
     from opd_patches.losses.forward_kl_topk_tail import NAME, tail_outputs
 
     original = fsdp_losses.compute_forward_kl_topk
     if getattr(original, _MARK, False):
         return
 
-    @functools.wraps(original)
-    def compute_forward_kl_topk(student_logits, teacher_topk_log_probs, teacher_topk_ids, config, data_format):
-        outputs = original(student_logits, teacher_topk_log_probs, teacher_topk_ids, config, data_format)
-        if config.distillation_loss.loss_mode != NAME:
-            return outputs
+    def aligned(teacher_topk_log_probs, teacher_topk_ids):
         # Align the teacher tensors with the logits exactly as the original does (packed, SP-sliced).
         logprobs, ids = teacher_topk_log_probs.values().unsqueeze(0), teacher_topk_ids.values().unsqueeze(0)
         if get_ulysses_sequence_parallel_world_size() > 1:
             logprobs, ids = slice_input_tensor(logprobs, dim=1), slice_input_tensor(ids, dim=1)
+        return logprobs, ids
+
+    @functools.wraps(original)
+    def compute_forward_kl_topk(student_logits, teacher_topk_log_probs, teacher_topk_ids, config, data_format):
+        mode = config.distillation_loss.loss_mode
+        if lean_topk.enabled() and mode in lean_topk.LOSS_MODES:
+            # Memory-lean mode (losses/lean_topk.py): the same outputs, no (T, V) fp32 tensors.
+            logprobs, ids = aligned(teacher_topk_log_probs, teacher_topk_ids)
+            assert logprobs.shape[:2] == ids.shape[:2] == student_logits.shape[:2]
+            if mode not in _ANNOUNCED:  # once per process and loss: say which path trains
+                print(f"[opd] {mode}: memory-lean top-k kernel (opd.lean_topk)", flush=True)
+                _ANNOUNCED.add(mode)
+            return lean_topk.topk_outputs(student_logits, ids, logprobs, config.distillation_loss, with_tail=mode == NAME)
+        outputs = original(student_logits, teacher_topk_log_probs, teacher_topk_ids, config, data_format)
+        if mode != NAME:
+            return outputs
+        logprobs, ids = aligned(teacher_topk_log_probs, teacher_topk_ids)
         return {**outputs, **tail_outputs(student_logits, ids, logprobs)}
 
     setattr(compute_forward_kl_topk, _MARK, True)
@@ -117,8 +142,31 @@ def _patch_forward_kl_topk_metrics():
     distill_losses.DISTILLATION_LOSS_REGISTRY["forward_kl_topk"] = compute_forward_kl_topk
 
 
+def _patch_logprobs_fallback():
+    import verl.utils.torch_functional as verl_F
+
+    from opd_patches.losses import sampled_logprob
+
+    original = verl_F.logprobs_from_logits_v2
+    if getattr(original, _MARK, False):
+        return
+
+    @functools.wraps(original)
+    def logprobs_from_logits_v2(logits, labels):
+        if not sampled_logprob.enabled():
+            return original(logits, labels)
+        if "sampled_logprob" not in _ANNOUNCED:  # once per process: say which path computes log-probs
+            print("[opd] sampled-token log-probs: chunked exact kernel (opd.fast_logprobs)", flush=True)
+            _ANNOUNCED.add("sampled_logprob")
+        return sampled_logprob.sampled_logprobs(logits, labels)
+
+    setattr(logprobs_from_logits_v2, _MARK, True)
+    verl_F.logprobs_from_logits_v2 = logprobs_from_logits_v2
+
+
 def apply():
     _patch_init_process_group()
     _patch_topk_validation()
     _patch_topk_logits_processor()
     _patch_forward_kl_topk_metrics()
+    _patch_logprobs_fallback()

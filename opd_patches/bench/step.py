@@ -1,20 +1,20 @@
 """Bench phase `step`: full training steps of a recipe at the R1-Distill-1.5B architecture.
 
-    python -m opd_patches.bench.step --recipe topk [--steps 2] [--rollout vllm|hf] [--json bench.json]
+    python -m opd_patches.bench --phase step --recipe topk [--steps 2] [--rollout vllm|hf] [--size full|cpu]
+        [--override KEY=VALUE ...]        (make bench PHASE=step RECIPE=topk)
 
 Builds random-weight R1-Distill-Qwen-1.5B-architecture student (seed 0) and teacher (seed 1) with
 opd_patches/embedded/r1_arch.py, runs `run.sh recipe=R` on the embedded prompts (the colocated
-teacher by default; extra Hydra overrides after `--`), and reports per step VERL's `timing_s/*`
+teacher by default; extra Hydra overrides with --override), and reports per step VERL's `timing_s/*`
 phases, response lengths and the actor's peak memory (from `<run>/metrics.jsonl`), the device's peak
 memory over the whole run (nvidia-smi, sampled every 0.5 s: vLLM's KV cache included), and start-up
 time (launch to the end of step 1, minus step 1). With `--rollout hf` responses are capped at 512
-tokens (HF decoding is ~25x slower than vLLM). Results merge into the bench JSON under
-`step/<recipe>` (rewritten atomically, other phases kept).
+tokens (HF decoding is ~25x slower than vLLM). `--size cpu` runs the tiny embedded models instead
+(a check of this phase on a CPU). Results merge into the bench JSON's `step` phase, per recipe.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -52,16 +52,6 @@ class DevicePeak(threading.Thread):
         self._halt.set()
         self.join(timeout=5)
         return {f"gpu{i}_peak_gib": round(v / 1024, 2) for i, v in sorted(self.peak.items())}
-
-
-def merge_json(path: Path, key: str, value) -> None:
-    """Set data[phase][name] = value in the bench JSON, keeping everything else (atomic rewrite)."""
-    data = json.loads(path.read_text()) if path.exists() else {}
-    phase, name = key.split("/", 1)
-    data.setdefault(phase, {})[name] = value
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, path)
 
 
 def step_rows(metrics_file: Path) -> list[dict]:
@@ -137,35 +127,43 @@ def run(recipe: str, steps: int, rollout: str, workdir: Path, overrides: list[st
     return result
 
 
-def print_table(result: dict) -> None:
-    print(f"\n[bench step] {result['recipe']} ({result['rollout']} rollout): {result['steps_done']}/"
-          f"{result['steps_requested']} steps, exit {result['returncode']}, start-up {result.get('startup_s')} s, "
-          f"device peak {', '.join(f'{k}={v}' for k, v in result.items() if k.endswith('_peak_gib'))}")
-    cols = [f"timing_s/{k}" for k in PHASE_KEYS] + ["response_length/mean", "response_length/max",
-                                                    "actor/perf/max_memory_allocated_gb"]
-    print("step " + " ".join(c.split("/")[-1][:14].rjust(14) for c in cols))
-    for row in result["steps"]:
-        print(f"{row['step']!s:>4} " + " ".join(str(row.get(c, "-")).rjust(14) for c in cols))
+PHASE_SUM = ("gen", "old_log_prob", "adv", "update_actor", "update_weights")  # old_log_prob includes teacher
 
 
-def main(argv=None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    extra = argv[argv.index("--") + 1:] if "--" in argv else []
-    argv = argv[: argv.index("--")] if "--" in argv else argv
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--recipe", default="topk")
-    p.add_argument("--steps", type=int, default=2)
-    p.add_argument("--rollout", choices=("vllm", "hf"), default="vllm")
-    p.add_argument("--workdir", type=Path, default=REPO / ".cache" / "bench")
-    p.add_argument("--json", type=Path, default=REPO / "bench.json")
-    p.add_argument("--timeout", type=int, default=3600)
-    p.add_argument("--arch", choices=("r1", "embedded"), default="r1", help="embedded: tiny models (CPU check)")
-    args = p.parse_args(argv)
-    result = run(args.recipe, args.steps, args.rollout, args.workdir, extra, args.timeout, args.arch)
-    merge_json(args.json, f"step/{args.recipe}", result)
-    print_table(result)
-    return 0 if result["steps_done"] == args.steps and result["returncode"] == 0 else 1
+def run_phase(size, args) -> dict:
+    """`make bench PHASE=step RECIPE=... [ROLLOUT=vllm|hf]`: rows per step; ratio = step / sum of its phases.
+
+    The ratio is the glue check (weight sync, offload, sleep/wake, data movement: target <= 1.15);
+    the save (`timing_s/save_checkpoint`) is excluded from both sides. Earlier recipes' results in the
+    JSON are kept, so each recipe can run in its own GPU window.
+    """
+    from opd_patches.bench import results
+
+    full = size.name == "full"
+    overrides = [] if full else ["+overlay=smoke", "trainer.save_freq=-1"]
+    res = run(args.recipe, args.steps, args.rollout, args.workdir, overrides + list(args.override or []),
+              args.timeout, arch="r1" if full else "embedded")
+    doc = json.loads(Path(args.out).read_text()) if Path(args.out).exists() else {}
+    recipes = dict(doc.get("phases", {}).get("step", {}).get("recipes", {}))
+    recipes[args.recipe] = res
+    return phase_entry(size.name, recipes)
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+def phase_entry(size_name: str, recipes: dict) -> dict:
+    """The `step` phase's JSON entry: every recipe's runs, one table row per training step."""
+    rows = []
+    for name, r in sorted(recipes.items()):
+        for s in r["steps"]:
+            step_s = s.get("timing_s/step", 0.0) - s.get("timing_s/save_checkpoint", 0.0)
+            parts = sum(s.get(f"timing_s/{k}", 0.0) for k in PHASE_SUM)
+            rows.append({
+                "name": f"step/{name}/{r['rollout']}/{s['step']}", "time_s": step_s, "ref_time_s": parts,
+                "ratio": step_s / parts if parts else None, "reference": "sum of timing_s phases",
+                "tok_per_s": s.get("perf/throughput"), "peak_gib": s.get("actor/perf/max_memory_allocated_gb"),
+                **s,
+            })
+    notes = [f"{n}: {r['rollout']} rollout, {r['steps_done']}/{r['steps_requested']} steps, start-up "
+             f"{r.get('startup_s')} s, device peak {r.get('gpu0_peak_gib')} GiB" for n, r in sorted(recipes.items())]
+    notes.append("ratio = timing_s/step (save excluded) / sum of gen, old_log_prob (teacher inside), adv, "
+                 "update_actor, update_weights; peak = actor/perf/max_memory_allocated_gb")
+    return {"size": size_name, "recipes": recipes, "rows": rows, "notes": notes}

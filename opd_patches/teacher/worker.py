@@ -63,15 +63,37 @@ class ColocatedTeacher:
         self.k, self.device, self.offload = k, device, offload
         self.chunk_size, self.max_tokens = chunk_size, max_tokens
         self.canary_every, self.calls = int(canary_every), 0
-        self.model.to(device)
+        # The host copy of every tensor, page-locked on accelerators so onloads are fast async copies
+        # (a 1.5B bf16 teacher: 3.5 GB per step). The teacher never changes, so an offload only drops
+        # the device copies: nothing is copied back.
+        self._host = {name: _pinned(t, device) for name, t in self._tensors()}
+        self._onload()
         try:
             self.canary = TeacherCanary(self.model, tokenizer=_tokenizer(model_path))
         finally:
-            self.model.to("cpu" if offload else device)
+            if offload:
+                self._offload()
+            else:
+                self._host = None  # resident for good: no host copy needed
+
+    def _tensors(self):
+        yield from self.model.named_parameters()
+        yield from self.model.named_buffers()
+
+    def _onload(self) -> None:
+        for name, t in self._tensors():
+            # From page-locked memory this copy is asynchronous; the forward that follows is queued
+            # on the same stream, so it waits for it.
+            t.data = self._host[name].to(self.device, non_blocking=True)
+
+    def _offload(self) -> None:
+        for name, t in self._tensors():
+            t.data = self._host[name]
+        aggressive_empty_cache(force_sync=True)
 
     def score(self, sequences: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         if self.offload:
-            self.model.to(self.device)
+            self._onload()
         try:
             self.calls += 1
             if self.canary_every > 0 and self.calls % self.canary_every == 0:
@@ -81,8 +103,12 @@ class ColocatedTeacher:
             )
         finally:
             if self.offload:
-                self.model.to("cpu")
-                aggressive_empty_cache(force_sync=True)
+                self._offload()
+
+
+def _pinned(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    t = t.detach().to("cpu")
+    return t.pin_memory() if device.type == "cuda" else t
 
 
 def _tokenizer(model_path: str):

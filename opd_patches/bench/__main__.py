@@ -1,0 +1,3 @@
+from opd_patches.bench.run import main
+
+raise SystemExit(main())

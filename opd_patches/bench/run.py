@@ -1,0 +1,64 @@
+"""CLI of `make bench`: run one phase at one size, merge it into the JSON, print the table.
+
+    python -m opd_patches.bench --phase kernels|teacher|step [--size full|cpu] [--out bench.json]
+        [--variants k1_pg lean_topk_tail ...] [--no-model]          (kernels)
+        [--recipe topk] [--rollout vllm|hf] [--steps 2] [--override K=V ...]   (step)
+"""
+
+import argparse
+import importlib
+import sys
+from pathlib import Path
+
+from opd_patches.bench import results
+from opd_patches.bench.sizes import SIZES
+
+# phase -> "module:function"; a phase takes (Size, argparse.Namespace) and returns {"rows": [...], ...}.
+PHASES = {
+    "kernels": "opd_patches.bench.kernels:run_phase",
+    "teacher": "opd_patches.bench.teacher:run_phase",
+    "step": "opd_patches.bench.step:run_phase",
+}
+
+
+def phase_fn(name):
+    if name not in PHASES:
+        raise SystemExit(f"[bench] unknown or not yet registered phase {name!r}: choose one of {sorted(PHASES)} "
+                         "(opd_patches/bench/run.py PHASES)")
+    module, fn = PHASES[name].split(":")
+    return getattr(importlib.import_module(module), fn)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--phase", required=True)
+    parser.add_argument("--size", choices=sorted(SIZES), default=None, help="default: full with CUDA, else cpu")
+    parser.add_argument("--out", type=Path, default=Path("bench.json"))
+    parser.add_argument("--variants", nargs="+", help="kernels phase: a subset of the loss paths")
+    parser.add_argument("--no-model", action="store_true", help="kernels phase: standalone loss rows only")
+    step = parser.add_argument_group("step phase (full training steps through run.sh)")
+    step.add_argument("--recipe", default="topk")
+    step.add_argument("--rollout", choices=("vllm", "hf"), default="vllm")
+    step.add_argument("--steps", type=int, default=2)
+    step.add_argument("--override", nargs="*", help="extra Hydra overrides for run.sh")
+    step.add_argument("--workdir", type=Path, default=Path(".cache/bench"), help="models and run folders")
+    step.add_argument("--timeout", type=int, default=3600, help="seconds before the run is killed")
+    args = parser.parse_args(argv)
+    import torch
+
+    size_name = args.size or ("full" if torch.cuda.is_available() else "cpu")
+    size = SIZES[size_name]
+    if size.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit(f"[bench] size {size_name} needs a CUDA GPU; use --size cpu (SIZE=cpu) here.")
+    fn = phase_fn(args.phase)
+    import opd_patches  # noqa: F401  (the registered losses and the wrappers the real paths go through)
+
+    entry = fn(size, args)
+    results.merge(args.out, args.phase, entry)
+    print(results.table(args.phase, entry))
+    print(f"[bench] wrote phase {args.phase} to {args.out}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,58 @@
+"""`make bench` machinery at SIZE=cpu: a phase runs, writes valid JSON, and merges without touching others."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from opd_patches.bench import results
+from opd_patches.bench.run import PHASES
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_merge_keeps_other_phases_and_is_atomic(tmp_path):
+    out = tmp_path / "bench.json"
+    results.merge(out, "step", {"size": "full", "rows": []})
+    results.merge(out, "kernels", {"size": "cpu", "rows": [{"name": "x"}]})
+    results.merge(out, "kernels", {"size": "cpu", "rows": [{"name": "y"}]})
+    doc = json.loads(out.read_text())
+    assert set(doc["phases"]) == {"step", "kernels"} and doc["phases"]["kernels"]["rows"] == [{"name": "y"}]
+    assert "machine" in doc["phases"]["step"] and not list(tmp_path.glob("*.tmp"))
+
+
+def test_phase_registry_names_the_three_phases_or_explains():
+    assert {"kernels", "teacher"} <= set(PHASES)
+    proc = subprocess.run([sys.executable, "-m", "opd_patches.bench", "--phase", "nope", "--size", "cpu"],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "PHASES" in proc.stderr
+
+
+def test_kernels_phase_at_cpu_size_writes_valid_json(tmp_path):
+    out = tmp_path / "bench.json"
+    results.merge(out, "teacher", {"size": "cpu", "rows": []})
+    proc = subprocess.run(
+        [sys.executable, "-m", "opd_patches.bench", "--phase", "kernels", "--size", "cpu", "--out", str(out),
+         "--no-model", "--variants", "k1_pg", "topk_default", "lean_topk_tail"],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert set(doc["phases"]) == {"teacher", "kernels"}
+    rows = doc["phases"]["kernels"]["rows"]
+    assert [r["name"] for r in rows] == ["loss/k1_pg", "loss/topk_default", "loss/lean_topk_tail"]
+    for r in rows:
+        assert r["time_s"] > 0 and r["ref_time_s"] > 0 and r["ratio"] > 0 and r["peak_gib"] is None
+    assert "loss/lean_topk_tail" in proc.stdout and "ratio" in proc.stdout
+
+
+def test_cpu_kernels_script_writes_json(tmp_path):
+    out = tmp_path / "cpu.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "opd_patches.bench.cpu_kernels", "--out", str(out), "--tokens", "64",
+         "--vocab", "512", "--repeats", "1", "--variants", "topk_tail", "lean_topk_tail"],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert doc["config"]["vocab"] == 512 and len(doc["rows"]) == 2 and doc["rows"][1]["ratio"] > 0
