@@ -1,4 +1,9 @@
 # make install | smoke | test | test-fast | vendor-check | validate CKPT=... | preflight STUDENT=... TEACHER=... | vendor
+# make checkpoints RUN=...   (a run folder's trainer states: step, complete, export validation)
+# make patch [BASE=ref] [PATCH_FILE=opd.patch] | patch-check [BASE=ref]   (the submission patch)
+# make data SRC=... [OUT=...] | data-eval EVAL_SETS=... | eval MODEL=... SUITE=math500|aime [OUT=...] | plot RUN=...   (data, evaluation)
+# make bench [PHASE=kernels|teacher|step] [SIZE=full|cpu] [OUT=bench.json] | bench-cpu-kernels | bench-logprob   (performance)
+# make study SPEC=recipes/studies/....yaml [OUT=...] [STUDY_ARGS=...] | arms CONTROL=k1 TREATMENT=topk   (studies)
 # PROFILE=cpu|gpu picks the dependency set (default: gpu when nvidia-smi sees a GPU).
 # PREPARED=1 uses the python3 already on PATH and installs nothing (e.g. an offline GPU host
 # where the packages were staged beforehand).
@@ -16,9 +21,10 @@ PY := $(VENV)/bin/python
 DEPS := $(VENV)/.installed-$(PROFILE)
 endif
 
-.PHONY: install smoke test test-fast vendor-check vendor validate preflight
+.PHONY: install smoke test test-fast vendor-check vendor validate preflight patch patch-check data data-eval eval plot bench bench-cpu-kernels bench-logprob checkpoints study arms
 
 install: $(DEPS)
+	@$(PY) opd_patches/ops/patch.py record-base   # tags the commit you start from as opd-base, once
 
 $(VENV)/.installed-%: requirements/%.txt pyproject.toml verl_vendor/pin.toml
 	@test -x $(PY) || python3 -m venv $(VENV)
@@ -44,9 +50,16 @@ vendor-check: $(DEPS)
 vendor:
 	python3 verl_vendor/vendor.py materialize
 
+# CKPT: an export (.../actor/huggingface), a state (global_step_N) or a run folder (its newest complete state).
+# VALIDATE_ARGS e.g. "--expected-from deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B --dtype float32".
 validate: $(DEPS)
-	@test -n "$(CKPT)" || { echo "usage: make validate CKPT=<run>/global_step_N/actor/huggingface"; exit 2; }
-	$(PY) -m opd_patches.validate $(CKPT)
+	@test -n "$(CKPT)" || { echo "usage: make validate CKPT=<run folder | run/global_step_N | .../actor/huggingface> [VALIDATE_ARGS=...]"; exit 2; }
+	$(PY) -m opd_patches.validate $(CKPT) $(VALIDATE_ARGS)
+
+# The trainer states of a run folder: step, complete (receipt), export validation (opd_patches/ops/checkpoints.py).
+checkpoints: $(DEPS)
+	@test -n "$(RUN)" || { echo "usage: make checkpoints RUN=<run folder>"; exit 2; }
+	$(PY) -m opd_patches.ops.checkpoints list $(RUN)
 
 # Student/teacher compatibility report: vocabulary, chat template, step-0 overlap statistics.
 # Exit status 2 on a mismatch. DATA (a VERL parquet) gives real prompts; PREFLIGHT_ARGS for more flags.
@@ -54,3 +67,69 @@ PREFLIGHT_OUT ?= preflight.json
 preflight: $(DEPS)
 	@test -n "$(STUDENT)" -a -n "$(TEACHER)" || { echo "usage: make preflight STUDENT=<model> TEACHER=<model> [DATA=train.parquet] [PREFLIGHT_OUT=preflight.json]"; exit 2; }
 	$(PY) -m opd_patches.preflight --student $(STUDENT) --teacher $(TEACHER) $(if $(DATA),--data $(DATA)) --out $(PREFLIGHT_OUT) $(PREFLIGHT_ARGS)
+
+# The submission patch: the editable surface (opd_patches recipes run.sh Makefile README.md tests),
+# untracked files included, diffed against BASE (default: the tag opd-base that `make install` made).
+# patch-check rewrites it, applies it to a clean checkout of the base and runs the vendor check.
+# (opd_patches/ops/patch.py is run as a script, = python -m opd_patches.ops.patch without importing verl.)
+PATCH_FILE ?= opd.patch
+patch: $(DEPS)
+	$(PY) opd_patches/ops/patch.py write $(if $(BASE),--base $(BASE)) --out $(PATCH_FILE)
+
+patch-check: patch
+	$(PY) opd_patches/ops/patch.py check $(if $(BASE),--base $(BASE)) --patch $(PATCH_FILE)
+
+# Training data: DAPO-style or {problem, answer} rows -> VERL parquet, de-duplicated, decontaminated
+# against the evaluation sets (opd_patches/data/prepare.py). DATA_ARGS e.g. "--val-size 256 --eval-sets DIR".
+data: $(DEPS)
+	@test -n "$(SRC)" || { echo "usage: make data SRC=<file.parquet|.jsonl> [OUT=$$HOME/data/dapo-math] [DATA_ARGS=...]"; exit 2; }
+	$(PY) -m opd_patches.data $(SRC) $(if $(OUT),--out $(OUT)) $(DATA_ARGS)
+
+# The evaluation data folder ($OPD_EVAL_DATA, else ~/data/opd-eval): NAME=SOURCE pairs, a SOURCE being a
+# local file or a Hugging Face dataset owner/name[:split] (opd_patches/data/eval_sets.py).
+data-eval: $(DEPS)
+	@test -n "$(EVAL_SETS)" || { echo "usage: make data-eval EVAL_SETS=\"math500=HuggingFaceH4/MATH-500:test aime24=... aime25=...\" [OUT=dir]"; exit 2; }
+	$(PY) -m opd_patches.data.eval_sets $(EVAL_SETS) $(if $(OUT),--out $(OUT))
+
+# Evaluation of one model on one suite (opd_patches/eval/): generations.jsonl, summary.json, scores.png.
+# EVAL_ARGS e.g. "--limit 50 --samples 2 --data-dir DIR --backend hf --verifier JUDGE".
+eval: $(DEPS)
+	@test -n "$(MODEL)" -a -n "$(SUITE)" || { echo "usage: make eval MODEL=<hf folder> SUITE=math500|aime|<protocol.yaml> [OUT=dir] [EVAL_ARGS=...]"; exit 2; }
+	$(PY) -m opd_patches.eval --model $(MODEL) --suite $(SUITE) $(if $(OUT),--out $(OUT)) $(EVAL_ARGS)
+
+# Plots of a run folder: evaluated checkpoints' scores (if any) and training curves -> RUN/plots/.
+plot: $(DEPS)
+	@test -n "$(RUN)" || { echo "usage: make plot RUN=<run folder>"; exit 2; }
+	@mkdir -p $(RUN)/plots
+	@if ls $(RUN)/global_step_*/eval/*/summary.json >/dev/null 2>&1; then $(PY) -m opd_patches.eval.plot $(RUN) --out $(RUN)/plots/scores.png; fi
+	$(PY) -m opd_patches.eval.plot --curves $(RUN)/metrics.jsonl --out $(RUN)/plots/training_curves.png
+
+# Performance phases (opd_patches/bench/): each real code path next to its plain-PyTorch reference,
+# peak GPU memory per measurement; phases merge into one JSON. SIZE=full needs a CUDA GPU (1.5B
+# architecture, 32 x 5,200 tokens); SIZE=cpu is a quick check. BENCH_ARGS e.g. "--variants lean_topk_tail --no-model".
+# PHASE=step: two training steps of RECIPE through run.sh (ROLLOUT=vllm|hf), VERL's timing_s/* per step.
+PHASE ?= kernels
+bench: $(DEPS)
+	$(PY) -m opd_patches.bench --phase $(PHASE) $(if $(SIZE),--size $(SIZE)) --out $(or $(OUT),bench.json) \
+	  $(if $(RECIPE),--recipe $(RECIPE)) $(if $(ROLLOUT),--rollout $(ROLLOUT)) $(BENCH_ARGS)
+
+# CPU regression benchmark of the loss kernels (JSON for comparisons between commits on one machine).
+bench-cpu-kernels: $(DEPS)
+	$(PY) -m opd_patches.bench.cpu_kernels --out $(or $(OUT),outputs/bench/cpu_kernels.json)
+
+# Sampled-token log-prob fwd+bwd, upstream's fallback vs the patched kernel vs naive (about a minute of
+# GPU time at 15,600 x 151,936 bf16; a reduced size on the CPU). BENCH_ARGS e.g. "--tokens 4096".
+bench-logprob: $(DEPS)
+	$(PY) -m opd_patches.bench.logprob $(if $(OUT),--out $(OUT)) $(BENCH_ARGS)
+
+# Studies (opd_patches/study/): every (arm, seed) of a spec trained via run.sh under one run lock, the chosen
+# checkpoints evaluated, report.md/.json/.png written into OUT (default outputs/studies/<name>). Resumable:
+# the same command skips complete runs and evaluations. STUDY_ARGS e.g. "--dry-run", "--report-only", "--force".
+study: $(DEPS)
+	@test -n "$(SPEC)" || { echo "usage: make study SPEC=recipes/studies/<spec>.yaml [OUT=dir] [STUDY_ARGS=--dry-run]"; exit 2; }
+	$(PY) -m opd_patches.study $(SPEC) $(if $(OUT),--out $(OUT)) $(if $(filter 1,$(FORCE)),--force) $(STUDY_ARGS)
+
+# Ablation arms: the knobs that differ between two recipes and the one-knob-at-a-time arms (no training).
+arms: $(DEPS)
+	@test -n "$(CONTROL)" -a -n "$(TREATMENT)" || { echo "usage: make arms CONTROL=k1 TREATMENT=topk"; exit 2; }
+	$(PY) -m opd_patches.study.arms --control $(CONTROL) --treatment $(TREATMENT)

@@ -17,6 +17,9 @@ VAL_FILES=${VAL_FILES:-$TRAIN_FILES}
 N_GPUS=${N_GPUS:-1}             # actor (and rollout) GPUs per node
 OUTPUT_DIR=${OUTPUT_DIR:-}      # default: outputs/<recipe>
 PYTHON=${PYTHON:-}              # default: the project's .venv, else python3 (a prepared environment)
+FORCE=${FORCE:-0}               # 1: start despite a held run lock or a busy GPU (opd.force=true)
+WALL_CLOCK=${WALL_CLOCK:-}      # seconds from launch; the trainer stops in time to save (opd.wall_clock_s)
+RESERVE=${RESERVE:-}            # seconds kept free at the end of WALL_CLOCK (opd.reserve_s, default 1200)
 
 args=()
 for a in "$@"; do
@@ -72,10 +75,14 @@ placement=(
 output=(
   trainer.default_local_dir="$OUTPUT_DIR"
 )
+if [[ -n "$WALL_CLOCK" ]]; then output+=(opd.wall_clock_s="$WALL_CLOCK"); fi
+if [[ -n "$RESERVE" ]]; then output+=(opd.reserve_s="$RESERVE"); fi
+checks=()
+if [[ "$FORCE" == 1 ]]; then checks+=(opd.force=true); fi
 recipe=(
   --config-path "$ROOT/recipes" --config-name "$RECIPE"
   "hydra.searchpath=[pkg://verl.trainer.config]"   # recipes are deltas over VERL's ppo_trainer
 )
 
 exec "$PYTHON" -m opd_patches.main "${recipe[@]}" \
-  "${models[@]}" "${data[@]}" "${placement[@]}" "${output[@]}" "${args[@]}"
+  "${models[@]}" "${data[@]}" "${placement[@]}" "${output[@]}" "${checks[@]}" "${args[@]}"

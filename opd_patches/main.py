@@ -2,8 +2,9 @@
 
     python -m opd_patches.main --config-path recipes --config-name k1 [overrides...]
 
-(run.sh is the usual way in.) Between Hydra and VERL's own V1 trainer it only: resolves the
-project's `opd.*` keys (teacher placement), checks model and data paths, loss settings and
+(run.sh is the usual way in.) Between Hydra and VERL's own V1 trainer it only: takes the one-run
+lock and checks that no other process holds the assigned GPUs (opd_patches/ops/lock.py; exit 75 when
+refused, `opd.force=true` skips both), resolves the project's `opd.*` keys (teacher placement), checks model and data paths, loss settings and
 student/teacher vocabularies, writes `manifest.json` into the run folder, routes metrics to
 `metrics.jsonl` there, and makes every Ray process import opd_patches. Training itself is
 upstream's `TaskRunnerV1` (with the colocated teacher: the registered trainer mode
@@ -12,6 +13,7 @@ upstream's `TaskRunnerV1` (with the colocated teacher: the registered trainer mo
 
 import os
 import sys
+import time
 from pathlib import Path
 
 import hydra
@@ -22,6 +24,8 @@ from opd_patches import manifest
 PLACEMENTS = ("standalone", "colocated")
 PREFLIGHT_MODES = ("off", "cheap", "full")
 COLOCATED_MODE = "colocated_teacher"  # trainer mode of opd_patches/teacher/trainer.py
+OPS_SYNC_MODE = "opd_sync"  # upstream's sync trainer + training operations (opd_patches/ops/trainer.py)
+LAUNCHED_AT = time.time()  # the wall clock (opd.wall_clock_s) counts from here
 COLOCATED_AGENT_LOOP = "opd_patches.teacher.agent_loop.ColocatedTeacherAgentLoopManager"
 
 
@@ -121,6 +125,8 @@ def apply_placement(config: DictConfig) -> None:
         config.distillation.nnodes = int(config.trainer.nnodes)
         if placement == "standalone":
             config.distillation.n_gpus_per_node = int(config.opd.teacher_gpus)
+            if config.trainer.v1.trainer_mode == "sync":  # same trainer + wall clock, receipts, resume, guard
+                config.trainer.v1.trainer_mode = OPS_SYNC_MODE
             return
         # colocated: the teacher runs inside the actor's worker group (opd_patches/teacher), scheduled by
         # the trainer mode below; upstream creates no teacher pool, teacher servers or teacher client.
@@ -145,6 +151,8 @@ def configure_ray(config: DictConfig, run_dir: Path) -> None:
     modules = ["opd_patches"]
     if config.opd.teacher_placement == "colocated":
         modules.append("opd_patches.teacher.trainer")  # registers the trainer mode "colocated_teacher"
+    else:
+        modules.append("opd_patches.ops.trainer")  # registers the trainer mode "opd_sync"
     env = {
         "VERL_USE_EXTERNAL_MODULES": ",".join(modules),
         "VERL_FILE_LOGGER_PATH": str(run_dir / "metrics.jsonl"),
@@ -152,6 +160,16 @@ def configure_ray(config: DictConfig, run_dir: Path) -> None:
     for var in ("VERL_PLATFORM", "VERL_ENGINE_DEVICE", "PYTHONPATH"):
         if os.environ.get(var):
             env[var] = os.environ[var]
+    lean = config.opd.get("lean_topk")  # null: the default in opd_patches/losses/lean_topk.py
+    if lean is not None:
+        if not isinstance(lean, bool):
+            raise ConfigError(f"opd.lean_topk={lean!r}: use true, false or null (the built-in default).")
+        env["OPD_LEAN_TOPK"] = "1" if lean else "0"
+    fast = config.opd.get("fast_logprobs")  # null: the default in opd_patches/losses/sampled_logprob.py
+    if fast is not None:
+        if not isinstance(fast, bool):
+            raise ConfigError(f"opd.fast_logprobs={fast!r}: use true, false or null (the built-in default).")
+        env["OPD_FAST_LOGPROBS"] = "1" if fast else "0"
     with open_dict(config):
         ray_init = config.ray_kwargs.ray_init
         if ray_init.get("runtime_env") is None:
@@ -190,6 +208,8 @@ SUMMARY_KEYS = (
     "trainer.total_training_steps",
     "trainer.save_freq",
     "trainer.max_actor_ckpt_to_keep",
+    "opd.wall_clock_s",
+    "opd.reserve_s",
     "trainer.n_gpus_per_node",
     "trainer.default_local_dir",
 )
@@ -212,12 +232,28 @@ def prepare(config: DictConfig) -> Path:
     run_dir.mkdir(parents=True, exist_ok=True)
     with open_dict(config):
         config.trainer.default_local_dir = str(run_dir)
+        config.opd.launched_at = LAUNCHED_AT
     run_preflight(config, run_dir)
     configure_ray(config, run_dir)
     print(f"[opd] composed config (full copy in {run_dir / 'manifest.json'}):\n{describe(config)}", flush=True)
     manifest.rotate(run_dir / "metrics.jsonl")
+    manifest.rotate(run_dir / "run_summary.json")  # the summary read at the end must be this process's
     manifest.write(run_dir, config)
     return run_dir
+
+
+def hold_run_lock(config: DictConfig) -> None:
+    """One run per machine (opd_patches/ops/lock.py): refuse, before Ray starts, while another run holds
+    the lock or another process holds memory on the assigned GPUs; opd.force=true skips both. Held
+    until this process exits (the kernel also drops it when the process dies)."""
+    import atexit
+
+    from opd_patches.ops import lock
+
+    gpus = [] if os.environ.get("VERL_PLATFORM") == "cpu" else None  # the CPU platform uses no GPU
+    run_dir = Path(os.path.expanduser(str(config.trainer.default_local_dir))).resolve()
+    held = lock.acquire(force=bool(OmegaConf.select(config, "opd.force", default=False)), gpus=gpus, run=run_dir)
+    atexit.register(held.release)
 
 
 def run(config: DictConfig) -> None:
@@ -228,21 +264,39 @@ def run(config: DictConfig) -> None:
 
     if not config.trainer.use_v1:
         raise ConfigError("trainer.use_v1=false: opd_patches builds on VERL's V1 trainer only.")
+    hold_run_lock(config)  # before prepare(): a refused run must not rotate the running one's files
     run_dir = prepare(config)
     auto_set_device(config)
     validate_config(config=config, use_reference_policy=need_reference_policy(config), use_critic=need_critic(config))
     print(f"[opd] run folder: {run_dir}", flush=True)
-    run_ppo(config, task_runner_class=TaskRunnerV1)
+    from opd_patches.ops import summary
+
+    try:
+        run_ppo(config, task_runner_class=TaskRunnerV1)
+    except Exception:
+        ended = summary.read(run_dir)
+        if ended is not None and ended["status"] == "non_finite":  # the guard's stop, not a crash
+            print(summary.line(ended), file=sys.stderr, flush=True)
+            sys.exit(summary.EXIT_CODES["non_finite"])
+        raise
     print(f"[opd] finished: {manifest.summary(run_dir)}", flush=True)
+    ended = summary.read(run_dir)
+    if ended is not None:
+        print(summary.line(ended), flush=True)
 
 
 @hydra.main(config_path=None, config_name=None, version_base=None)
 def main(config: DictConfig) -> None:
+    from opd_patches.ops import lock
+
     try:
         run(config)
     except ConfigError as exc:
         print(f"[opd] config error: {exc}", file=sys.stderr, flush=True)
         sys.exit(2)
+    except lock.BUSY as exc:  # another run or GPU process: exit 75 (try again later)
+        print(f"[opd] refused: {exc}", file=sys.stderr, flush=True)
+        sys.exit(lock.EXIT_BUSY)
 
 
 if __name__ == "__main__":

@@ -10,6 +10,16 @@ REPO = Path(__file__).resolve().parents[1]
 RECIPES = ("k1", "topk", "topk_tail")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def private_run_lock(tmp_path_factory):
+    """Training started by tests takes the one-run lock (opd_patches/ops/lock.py) in a folder of its own,
+    so a user's own run does not block the suite and the suite does not block it."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("OPD_LOCK_DIR", str(tmp_path_factory.mktemp("opd-lock")))
+        mp.delenv("OPD_LOCK_HELD", raising=False)
+        yield
+
+
 @pytest.fixture(scope="session")
 def embedded():
     """Paths of the tiny student, teacher, tokenizer and prompt parquet files that run.sh also uses."""

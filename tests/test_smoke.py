@@ -96,7 +96,7 @@ def mixed(tmp_path_factory):
 
 def test_task_reward_mixing_scales_the_distillation_loss(mixed):
     manifest = json.loads((mixed / "topk_tail" / "manifest.json").read_text())
-    assert manifest["config"]["trainer"]["v1"]["trainer_mode"] == "sync"  # standalone teacher pool
+    assert manifest["config"]["trainer"]["v1"]["trainer_mode"] == "opd_sync"  # standalone: sync + ops mixin
     assert manifest["config"]["reward"]["custom_reward_function"]["path"] == "pkg://opd_patches.reward"
     rows = [json.loads(line)["data"] for line in (mixed / "topk_tail" / "metrics.jsonl").read_text().splitlines()]
     for r in rows:

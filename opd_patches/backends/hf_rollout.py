@@ -6,7 +6,8 @@ the place VERL expects one:
 
 - `HFServer`, a Ray actor per replica, standing where vLLM's `vLLMHttpServer` stands: the agent
   loop calls `generate(prompt_ids, sampling_params, request_id)`. Concurrent requests are
-  gathered into batches (one per distinct sampling setting) and run with `model.generate`.
+  gathered into batches (one per distinct sampling setting) and run with `model.generate`;
+  under `rollout.full_determinism` one at a time (batch-invariant logits, hence resumable samples).
   A request with `prompt_logprobs=k` is scored by one forward pass and answered in vLLM's
   layout (row i = distribution of token i+1, a dummy last row).
 - `HFReplica`, registered in `RolloutReplicaRegistry`, places one server beside its workers
@@ -26,8 +27,11 @@ from typing import Any, Optional
 
 import ray
 import torch
+from transformers import LogitsProcessorList
 from verl.workers.rollout.base import BaseRollout
 from verl.workers.rollout.replica import RolloutReplica, TokenOutput
+
+from opd_patches.ops.seeded_sampling import SampleKeys, SeededSampler, sample_seed
 
 logger = logging.getLogger(__name__)
 
@@ -97,6 +101,10 @@ class HFServer:
         self._queue: list[tuple[dict, asyncio.Future]] = []
         self._draining = False
         self._lock = asyncio.Lock()
+        # Per-sample RNG streams (opd_patches/ops/seeded_sampling.py): a resumed step samples the same tokens.
+        self._sample_keys = SampleKeys()
+        self.seed = int(getattr(config, "seed", 0) or 0)
+        self.batch_invariant = bool(getattr(config, "full_determinism", False))
 
     def get_server_address(self):
         return f"hf-replica-{self.replica_rank}", 0
@@ -114,6 +122,10 @@ class HFServer:
         if image_data is not None or video_data is not None:
             raise NotImplementedError("The hf rollout backend serves text-only models.")
         request = {"prompt_ids": [int(t) for t in prompt_ids], **self._resolve(dict(sampling_params), len(prompt_ids))}
+        # The replica is part of the key: the samples of one prompt that other replicas serve must
+        # get other streams (each replica counts occurrences on its own).
+        key = f"r{self.replica_rank}:{self._sample_keys.key(self.global_steps, request['prompt_ids'])}"
+        request["sample_seed"] = sample_seed(self.seed, self.global_steps, key)
         future = asyncio.get_running_loop().create_future()
         self._queue.append((request, future))
         if not self._draining:
@@ -152,9 +164,13 @@ class HFServer:
                 batch, self._queue = self._queue[: self.config.max_num_seqs], self._queue[self.config.max_num_seqs :]
                 groups = defaultdict(list)
                 for req, fut in batch:
-                    key = tuple((k, v) for k, v in req.items() if k not in ("prompt_ids", "max_tokens"))
+                    key = tuple((k, v) for k, v in req.items() if k not in ("prompt_ids", "max_tokens", "sample_seed"))
                     groups[key].append((req, fut))
-                for items in groups.values():
+                # full_determinism (VERL's batch-invariance switch, as VLLM_BATCH_INVARIANT for vLLM): one
+                # request per generate(), so that a sample's logits do not depend on which requests happened
+                # to arrive together (batch size and padding change the float reductions' order).
+                chunks = [[it] for items in groups.values() for it in items] if self.batch_invariant else groups.values()
+                for items in chunks:
                     async with self._lock:
                         try:
                             outs = await asyncio.to_thread(self._run_group, [r for r, _ in items])
@@ -204,14 +220,17 @@ class HFServer:
         stop_ids = list(dict.fromkeys(([] if p["ignore_eos"] else self.eos_ids) + list(p["stop_token_ids"])))
         greedy = p["temperature"] <= 0
         max_new = max(r["max_tokens"] for r in reqs)
+        # Sampling draws from per-sample generators (Gumbel-max), hence do_sample=False with the sampler.
+        sampler = None if greedy else SeededSampler([r["sample_seed"] for r in reqs], p["temperature"], p["top_p"], p["top_k"])
         out = self.model.generate(
             input_ids=input_ids.to(self.device),
             attention_mask=attention.to(self.device),
             max_new_tokens=max_new,
-            do_sample=not greedy,
-            temperature=None if greedy else p["temperature"],
-            top_p=None if greedy else p["top_p"],
-            top_k=None if greedy else (p["top_k"] or 0),
+            do_sample=False,
+            temperature=None,
+            top_p=None,
+            top_k=None,
+            logits_processor=None if greedy else LogitsProcessorList([sampler]),
             eos_token_id=stop_ids or None,
             pad_token_id=self.pad_id,
             return_dict_in_generate=True,
@@ -219,14 +238,18 @@ class HFServer:
             # behind VERL's back (vLLM uses the request's value, default 1.0).
             repetition_penalty=p["repetition_penalty"],
             output_logits=p["logprobs"] and not self.processed_logprobs,
-            output_scores=p["logprobs"] and self.processed_logprobs,
+            output_scores=p["logprobs"] and self.processed_logprobs and greedy,
         )
         new = out.sequences[:, width:].cpu()
         logp = None
         if p["logprobs"]:
             # rollout.logprobs_mode as in vLLM: processed = after temperature/top-k/top-p (generate's
             # scores, filtered tokens at -inf), raw = the model's own distribution (its logits).
-            logits = torch.stack(out.scores if self.processed_logprobs else out.logits, dim=1).float()
+            if not self.processed_logprobs:
+                steps = out.logits
+            else:  # the sampler's scores exclude its noise
+                steps = out.scores if sampler is None else sampler.processed
+            logits = torch.stack(steps, dim=1).float()
             logp = torch.log_softmax(logits, dim=-1).gather(-1, new[:, : logits.shape[1], None].to(logits.device))
             logp = logp[..., 0].cpu()
         results = []

@@ -32,6 +32,7 @@ from verl.utils.config import omega_conf_to_dataclass
 from verl.utils.debug import marked_timer
 from verl.utils.import_utils import load_class_from_fqn
 
+from opd_patches.ops.trainer import OpsTrainerMixin
 from opd_patches.teacher.agent_loop import FQN as AGENT_LOOP_MANAGER_FQN
 from opd_patches.teacher.agent_loop import ColocatedTeacherAgentLoopManager
 from opd_patches.teacher.worker import ColocatedTeacherWorker
@@ -41,8 +42,11 @@ ACTOR_ROLES = (Role.ActorRollout, Role.ActorRolloutRef, Role.Actor)
 
 
 @register_trainer(NAME)
-class ColocatedTeacherTrainer(PPOTrainerSync):
-    """PPOTrainerSync whose actor workers also score each batch with the teacher; no teacher pool or server."""
+class ColocatedTeacherTrainer(OpsTrainerMixin, PPOTrainerSync):
+    """PPOTrainerSync whose actor workers also score each batch with the teacher; no teacher pool or server.
+
+    OpsTrainerMixin (opd_patches/ops/trainer.py) adds the wall clock, receipts, pruning, resume from
+    complete states and the non-finite guard, as for the standalone teacher's `opd_sync` mode."""
 
     # Upstream keys its sync-vs-async behaviour (replay buffer, refills, TransferQueue checkpoints) on
     # `trainer_mode == "sync"`; this mode is sync, so it answers "sync" whatever the config's name is.

@@ -1,0 +1,2 @@
+"""Training operations: wall-clock budget, checkpoint receipts and pruning, resume, non-finite guard,
+one-run lock, submission patch."""

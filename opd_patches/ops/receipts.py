@@ -1,0 +1,122 @@
+"""Checkpoint receipts: `<run>/global_step_N/receipt.json`, the proof that a saved state is complete.
+
+Schema (shared contract, see README "Checkpoints, receipts, resume"):
+    {"step": N, "complete": true,
+     "files": {relpath: {"bytes": int, "sha256": str}},   # every file of the state except the receipt
+     "hf_export": "actor/huggingface",                    # relative to the state folder
+     "validation": {"ok": bool|null, "checks": {...}, "error": str|null},   # ok null: not validated
+     "written_at": ISO-8601 UTC}
+
+The receipt is written last, atomically (a temporary file in the same folder, fsync, os.replace):
+a state folder either has a whole receipt or none. A receipt that does not parse, names another
+step or lists a file whose size differs from the disk is treated as absent (`read` returns None and
+`problem` says why); sha256 is recorded for audits (`verify`), not re-hashed on every listing.
+"""
+
+import datetime as _dt
+import hashlib
+import json
+import os
+from pathlib import Path
+
+NAME = "receipt.json"
+HF_EXPORT = "actor/huggingface"
+_CHUNK = 1 << 22
+
+
+def sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(_CHUNK):
+            h.update(block)
+    return h.hexdigest()
+
+
+def inventory(state_dir: Path) -> dict:
+    """{relpath: {"bytes", "sha256"}} for every file under a state folder except the receipt."""
+    state_dir = Path(state_dir)
+    files = {}
+    for p in sorted(state_dir.rglob("*")):
+        rel = p.relative_to(state_dir).as_posix()
+        if p.is_file() and rel != NAME and not rel.startswith(NAME + "."):
+            files[rel] = {"bytes": p.stat().st_size, "sha256": sha256(p)}
+    return files
+
+
+def atomic_write_json(path: Path, data: dict) -> None:
+    """Write JSON so that `path` is either its old content or the whole new one, never a part.
+
+    On any error (e.g. OSError ENOSPC) the temporary file is removed and the error re-raised;
+    an existing file at `path` is left untouched.
+    """
+    path = Path(path)
+    tmp = path.with_name(f"{path.name}.tmp.{os.getpid()}")
+    try:
+        with open(tmp, "w") as f:
+            f.write(json.dumps(data, indent=1, sort_keys=True))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    try:  # make the rename itself durable
+        fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError:
+        pass
+
+
+def write(state_dir: Path, step: int, validation: dict | None, files: dict | None = None) -> dict:
+    """Inventory the state folder (unless `files` is given) and write its receipt last, atomically."""
+    state_dir = Path(state_dir)
+    receipt = {
+        "step": int(step),
+        "complete": True,
+        "files": inventory(state_dir) if files is None else files,
+        "hf_export": HF_EXPORT,
+        "validation": validation or {"ok": None, "checks": {}, "error": "not validated"},
+        "written_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+    }
+    atomic_write_json(state_dir / NAME, receipt)
+    return receipt
+
+
+def problem(state_dir: Path, step: int | None = None) -> str | None:
+    """Why the state folder's receipt does not prove completeness; None when it does."""
+    path = Path(state_dir) / NAME
+    if not path.exists():
+        return "no receipt"
+    try:
+        receipt = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        return f"receipt unreadable: {exc}"
+    if not isinstance(receipt, dict) or receipt.get("complete") is not True or not isinstance(receipt.get("files"), dict):
+        return "receipt malformed (complete/files)"
+    if step is not None and receipt.get("step") != step:
+        return f"receipt names step {receipt.get('step')}, folder is step {step}"
+    for rel, meta in receipt["files"].items():
+        p = Path(state_dir) / rel
+        if not p.is_file():
+            return f"file listed in receipt missing: {rel}"
+        if not isinstance(meta, dict) or p.stat().st_size != meta.get("bytes"):
+            return f"file size differs from receipt: {rel}"
+    return None
+
+
+def read(state_dir: Path, step: int | None = None) -> dict | None:
+    """The receipt when it proves the state complete, else None."""
+    if problem(state_dir, step) is not None:
+        return None
+    return json.loads((Path(state_dir) / NAME).read_text())
+
+
+def verify(state_dir: Path) -> list[str]:
+    """Re-hash every file listed in the receipt; the relpaths whose sha256 differs (slow: reads everything)."""
+    receipt = read(state_dir)
+    if receipt is None:
+        return ["<no valid receipt>"]
+    return [rel for rel, meta in receipt["files"].items() if sha256(Path(state_dir) / rel) != meta["sha256"]]

@@ -1,0 +1,325 @@
+"""Training operations on upstream's synchronous V1 trainer, and the trainer mode `opd_sync`.
+
+`OpsTrainerMixin` goes in front of upstream's `PPOTrainerSync` (MRO) and adds, through methods
+upstream's fit loop already calls:
+- wall clock (`opd.wall_clock_s`, `opd.reserve_s`, `opd.wall_clock_margin`; budget.py): after each
+  step, stop at this step boundary when the next step and its save no longer fit; the step just
+  done is saved (state, HF export, validation, receipt) and the loop ends; exit 0;
+- receipts (receipts.py): after upstream's save, the HF export is validated in a CPU subprocess
+  (`opd.validate_after_save`), then `global_step_N/receipt.json` is written last, atomically;
+- pruning (checkpoints.py): the newest `trainer.max_actor_ckpt_to_keep` complete states are kept,
+  counted over the disk (earlier processes' states included); upstream's own in-memory pruning
+  is switched off for the save so ours is the only one;
+- resume (`trainer.resume_mode=auto`): from the newest *complete* state, not from upstream's
+  `latest_checkpointed_iteration.txt` (written before the receipt; it can name an interrupted save);
+  incomplete folders after it are removed; the tracker file is rewritten to the resumed step;
+- non-finite guard (guard.py): NaN/inf teacher log-probs (checked before the update), loss or grad
+  norm (after it) stop the run before anything of that step is saved; exit status 3;
+- `<run>/run_summary.json` (summary.py) whenever the fit loop ends.
+
+`opd_sync` (`trainer.v1.trainer_mode=opd_sync`, what opd_patches.main picks for the standalone
+teacher) = `PPOTrainerSync` + this mixin; the colocated teacher's `colocated_teacher` mode uses the
+mixin too, so both placements get every feature.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from omegaconf import DictConfig, open_dict
+
+# As in opd_patches/teacher/trainer.py: the `cpu` platform must be registered before VERL's trainer
+# module imports its engines.
+from opd_patches.backends import cpu_platform  # noqa: F401, I001
+from verl.trainer.ppo.v1.trainer_base import register_trainer
+from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
+
+from opd_patches.ops import checkpoints, guard, receipts, summary
+from opd_patches.ops.budget import WallClock
+
+NAME = "opd_sync"
+TRACKER = "latest_checkpointed_iteration.txt"
+
+
+class _WallClockSpent(Exception):
+    """The clock ran out before this process's first step: nothing new to save."""
+
+
+def _opd(config: DictConfig) -> DictConfig:
+    return config.get("opd") or DictConfig({})
+
+
+class OpsTrainerMixin:
+    """Wall clock, receipts, pruning, resume from complete states and a non-finite guard for a sync trainer."""
+
+    # Upstream keys its sync-vs-async behaviour (replay buffer, refills, TransferQueue checkpoints) on
+    # `trainer_mode == "sync"`; the modes using this mixin are sync whatever their registered name.
+    @property
+    def trainer_mode(self) -> str:
+        return "sync"
+
+    @trainer_mode.setter
+    def trainer_mode(self, value: str) -> None:
+        pass  # upstream's __init__ assigns the configured name
+
+    def __init__(self, config: DictConfig):
+        super().__init__(config)
+        opd = _opd(config)
+        if config.actor_rollout_ref.actor.get("checkpoint", {}).get("async_save", False):
+            raise ValueError("actor_rollout_ref.actor.checkpoint.async_save=true: receipts need synchronous saves; "
+                             "set it to false.")
+        self.ops_run_dir = Path(config.trainer.default_local_dir)
+        self.ops_clock = WallClock(
+            None if opd.get("wall_clock_s") is None else float(opd.wall_clock_s),
+            reserve_s=float(opd.get("reserve_s") or 0.0),
+            margin=float(opd.get("wall_clock_margin") or 1.5),
+            launched_at=float(opd.get("launched_at") or time.time()),
+        )
+        self.ops_validate = bool(opd.get("validate_after_save", True))
+        self.ops_validate_timeout = float(opd.get("validate_timeout_s") or 1800)
+        debug = opd.get("debug") or {}
+        self.ops_inject_step = debug.get("inject_nan_step")
+        self.ops_inject_into = str(debug.get("inject_nan_into") or "loss")
+        if self.ops_inject_into not in ("loss", "teacher"):
+            raise ValueError(f"opd.debug.inject_nan_into={self.ops_inject_into!r}: choose loss or teacher.")
+        self._ops_stop_reason = None
+        self._ops_saved_step = None
+        self._ops_last_done = 0
+        self._ops_step_started = None
+        self._ops_steps_this_process = 0
+        self._ops_expected_params = None
+
+    # ---- resume ---------------------------------------------------------------------------
+    def _load_checkpoint(self):
+        """resume_mode=auto: resume from the newest complete state (receipt), whatever the tracker file says."""
+        if self.config.trainer.resume_mode != "auto":
+            return super()._load_checkpoint()
+        newest = checkpoints.newest_complete(self.ops_run_dir)
+        if newest is None:
+            leftovers = [s["step"] for s in checkpoints.list_states(self.ops_run_dir)]
+            if leftovers:
+                print(f"[opd] resume: no complete state (no valid receipt) in {self.ops_run_dir}; state folders "
+                      f"{leftovers} are not resumed from; training starts from step 0.", flush=True)
+            mode, path = "disable", None
+        else:
+            step = int(newest.name.split("_")[-1])
+            dropped = checkpoints.discard_after(self.ops_run_dir, step)
+            note = f"; removed incomplete state folders {dropped}" if dropped else ""
+            print(f"[opd] resume: from the newest complete state {newest}{note}", flush=True)
+            mode, path = "resume_path", str(newest)
+        saved = (self.config.trainer.resume_mode, self.config.trainer.get("resume_from_path"))
+        with open_dict(self.config):
+            self.config.trainer.resume_mode, self.config.trainer.resume_from_path = mode, path
+        try:
+            super()._load_checkpoint()
+        finally:
+            with open_dict(self.config):
+                self.config.trainer.resume_mode, self.config.trainer.resume_from_path = saved
+        if newest is not None:  # keep upstream's tracker truthful for other tools
+            (self.ops_run_dir / TRACKER).write_text(str(self.global_steps))
+
+    # ---- saving -----------------------------------------------------------------------------
+    def _save_checkpoint(self):
+        start = time.monotonic()
+        step = self.global_steps
+        state = self.ops_run_dir / f"global_step_{step}"
+        keep = self.config.trainer.get("max_actor_ckpt_to_keep")
+        with open_dict(self.config):
+            self.config.trainer.max_actor_ckpt_to_keep = None  # upstream prunes from memory only: ours below
+        try:
+            super()._save_checkpoint()
+        finally:
+            with open_dict(self.config):
+                self.config.trainer.max_actor_ckpt_to_keep = keep
+        validation = self._ops_validate_export(state) if self.ops_validate else None
+        try:
+            receipts.write(state, step, validation)
+        except OSError as exc:
+            raise OSError(exc.errno, f"writing the receipt of {state} failed ({exc.strerror or exc}); the state stays "
+                          "incomplete and the previous complete states are intact. Free disk space and relaunch "
+                          "to resume.") from exc
+        removed = checkpoints.prune(self.ops_run_dir, keep) if keep else []
+        self._ops_saved_step = step
+        seconds = time.monotonic() - start
+        self.ops_clock.record_save(seconds)
+        ok = None if validation is None else validation["ok"]
+        print(f"[opd] saved step {step}: receipt written, export validation "
+              f"{ {True: 'ok', False: 'FAILED', None: 'skipped'}[ok] }, {seconds:.1f} s"
+              + (f"; pruned steps {removed}" if removed else ""), flush=True)
+        if ok is False:
+            print(f"[opd] WARNING: the step-{step} export failed validation: {validation['error']}", flush=True)
+
+    def _ops_expected(self):
+        if self._ops_expected_params is None:
+            from opd_patches.validate import expected_parameters_for
+
+            try:
+                self._ops_expected_params = expected_parameters_for(str(self.config.actor_rollout_ref.model.path))
+            except Exception:  # unreadable config: fall back to the export's own config
+                self._ops_expected_params = 0
+        return self._ops_expected_params or None
+
+    def _ops_validate_export(self, state: Path) -> dict:
+        """opd_patches.validate in a CPU-only subprocess (never contends with training memory)."""
+        export = state / receipts.HF_EXPORT
+        with tempfile.TemporaryDirectory() as tmp:
+            out = Path(tmp) / "validation.json"
+            cmd = [sys.executable, "-m", "opd_patches.validate", str(export), "--json", str(out)]
+            if self._ops_expected():
+                cmd += ["--expected-params", str(self._ops_expected())]
+            env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "TOKENIZERS_PARALLELISM": "false"}
+            try:
+                proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=self.ops_validate_timeout)
+            except subprocess.TimeoutExpired:
+                return {"ok": False, "checks": {}, "error": f"validation timed out after {self.ops_validate_timeout:g} s"}
+            if not out.exists():
+                tail = (proc.stderr or proc.stdout or "").strip().splitlines()[-3:]
+                return {"ok": False, "checks": {}, "error": f"validator exit {proc.returncode}: {' | '.join(tail)}"}
+            result = json.loads(out.read_text())
+        return {"ok": bool(result["valid"]), "checks": result.get("checks", {}), "error": result.get("reason"),
+                "parameters": result.get("parameters"), "stored_dtype": result.get("stored_dtype")}
+
+    # ---- step boundaries ----------------------------------------------------------------------
+    def on_step_begin(self):
+        if self._ops_steps_this_process == 0:
+            spent, why = self.ops_clock.exhausted_before_start()
+            if spent:
+                raise _WallClockSpent(why)
+        self._ops_step_started = time.monotonic()
+        return super().on_step_begin()
+
+    def step(self, metrics: dict, timing_raw: dict):
+        batch = super().step(metrics, timing_raw)
+        guard.check_metrics(metrics, self.global_steps)  # before any save of this step
+        self._ops_last_done = self.global_steps
+        self._ops_steps_this_process += 1
+        self.ops_clock.record_step(time.monotonic() - self._ops_step_started)
+        if self.global_steps < self.total_training_steps:
+            freq = self.config.trainer.save_freq
+            scheduled = freq > 0 and self.global_steps % freq == 0
+            stop, why = self.ops_clock.should_stop(pending_save=scheduled)
+            if stop:
+                self._ops_stop_reason = why
+        return batch
+
+    def on_step_end(self):
+        if self._ops_stop_reason is None:
+            return super().on_step_end()
+        # Stopping at this boundary: make sure this step is saved; no weight sync (nothing samples again).
+        if self._ops_saved_step != self.global_steps:
+            self._save_checkpoint()
+        self.total_training_steps = self.global_steps  # upstream's loop ends after logging this step
+        print(f"[opd] stopping after step {self.global_steps}: {self._ops_stop_reason}", flush=True)
+
+    # ---- sample order ------------------------------------------------------------------------------
+    def _balance_batch(self, batch, metrics, *args, **kwargs):
+        """Put the step's samples in a canonical order before upstream's balancing (and micro-batching).
+
+        Upstream's replay buffer hands the samples over in the order their rollouts finished (an async
+        race), and that order becomes the order of the tokens in the packed micro-batches: fp32 sums
+        over them (loss, weight gradients) then differ in their last bits between two identical runs,
+        and Adam's early, nearly sign-like updates grow that into visible loss differences within a
+        few steps. Sorting by content (a sha256 of prompt length + prompt and response token ids; uids
+        are random uuid4s) makes the order a function of the samples alone. `opd/samples_digest` (48
+        bits of a sha256 over the ordered samples) lets a resumed run be compared with an uninterrupted one.
+        """
+        import hashlib
+
+        import torch
+        import transfer_queue as tq
+
+        data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=["input_ids"])
+        hashes = [
+            hashlib.sha256(f"{tag.get('prompt_len')}:".encode() + ids.to(torch.int64).numpy().tobytes()).digest()
+            for tag, ids in zip(batch.tags, data["input_ids"].unbind(), strict=True)
+        ]
+        order = sorted(range(len(hashes)), key=hashes.__getitem__)
+        batch.reorder(order)
+        digest = hashlib.sha256(b"".join(hashes[i] for i in order)).hexdigest()
+        metrics["opd/samples_digest"] = float(int(digest[:12], 16))  # 48 bits: exact in a float64
+        return super()._balance_batch(batch, metrics, *args, **kwargs)
+
+    # ---- teacher output check and fault injection ---------------------------------------------------
+    def _compute_advantage(self, batch, metrics):
+        inject = self.ops_inject_step is not None and int(self.ops_inject_step) == self.global_steps
+        if inject and self.ops_inject_into == "teacher":
+            self._ops_poison_teacher(batch)
+        self._ops_check_teacher(batch)
+        if inject and self.ops_inject_into == "loss":
+            self._ops_poison_teacher(batch)
+        return super()._compute_advantage(batch, metrics)
+
+    def _ops_teacher_logprobs(self, batch):
+        import transfer_queue as tq
+
+        if not self.config.get("distillation", {}).get("enabled", False):
+            return None
+        data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=["teacher_logprobs"])
+        return data["teacher_logprobs"] if "teacher_logprobs" in data.keys() else None
+
+    def _ops_check_teacher(self, batch):
+        try:
+            values = self._ops_teacher_logprobs(batch)
+        except Exception as exc:  # a layout without the field: say so once, the loss/grad-norm checks remain
+            if not getattr(self, "_ops_teacher_check_off", False):
+                self._ops_teacher_check_off = True
+                print(f"[opd] WARNING: teacher output check unavailable ({type(exc).__name__}: {exc}); "
+                      "loss and grad-norm checks remain.", flush=True)
+            return
+        if values is not None:
+            guard.check_tensor(values, self.global_steps, "teacher output (teacher_logprobs)")
+
+    def _ops_poison_teacher(self, batch):
+        """TEST ONLY (opd.debug.inject_nan_step): overwrite this step's teacher log-probs with NaN."""
+        import torch
+        import transfer_queue as tq
+        from verl.utils import tensordict_utils as tu
+
+        values = self._ops_teacher_logprobs(batch)
+        if values is None:
+            raise RuntimeError("opd.debug.inject_nan_step: no teacher_logprobs to poison (distillation disabled?)")
+        poisoned = torch.nested.as_nested_tensor(
+            [torch.full_like(t, float("nan")) for t in values.unbind()], layout=torch.jagged
+        )
+        tq.kv_batch_put(keys=batch.keys, partition_id=batch.partition_id,
+                        fields=tu.get_tensordict({"teacher_logprobs": poisoned}))
+        print(f"[opd] TEST fault injection: teacher_logprobs set to NaN at step {self.global_steps} "
+              f"({self.ops_inject_into} check)", flush=True)
+
+    # ---- the loop ------------------------------------------------------------------------------
+    def fit(self, agent_loop_manager):
+        requested = self.total_training_steps
+        try:
+            super().fit(agent_loop_manager)
+        except _WallClockSpent as exc:
+            status, reason = "wall_clock", str(exc)
+        except guard.NonFiniteError as exc:
+            self._ops_summary("non_finite", str(exc), requested, quantity=exc.quantity, step=exc.step)
+            raise
+        except BaseException as exc:
+            try:
+                self._ops_summary("error", f"{type(exc).__name__}: {exc}", requested)
+            except Exception:  # e.g. the disk is full: the original error matters more
+                pass
+            raise
+        else:
+            if self._ops_stop_reason is not None:
+                status, reason = "wall_clock", self._ops_stop_reason
+            else:
+                status, reason = "finished", f"reached trainer.total_training_steps={requested}"
+        self._ops_summary(status, reason, requested)
+
+    def _ops_summary(self, status, reason, requested, **extra):
+        s = summary.write(self.ops_run_dir, status, self._ops_last_done, reason, requested_steps=requested,
+                          step_s=[round(x, 2) for x in self.ops_clock.steps],
+                          save_s=[round(x, 2) for x in self.ops_clock.saves], **extra)
+        print(summary.line(s), flush=True)
+
+
+@register_trainer(NAME)
+class OpdSyncTrainer(OpsTrainerMixin, PPOTrainerSync):
+    """Upstream's synchronous trainer + training operations (the standalone teacher's mode)."""

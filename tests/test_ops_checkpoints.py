@@ -1,0 +1,142 @@
+"""Receipts, listing and pruning (opd_patches/ops/receipts.py, checkpoints.py) on synthetic run folders.
+
+The folders mimic upstream's layout (global_step_N/actor/..., data.pt, actor/huggingface/); the
+code under test only reads and writes files, so no trainer is needed here (tests/test_ops_e2e.py
+runs the real one).
+"""
+
+import errno
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from opd_patches.ops import checkpoints, receipts, summary
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def make_state(run, step, complete=True, validated=True):
+    d = run / f"global_step_{step}"
+    (d / "actor" / "huggingface").mkdir(parents=True)
+    (d / "actor" / f"model_world_size_1_rank_0.pt").write_bytes(os.urandom(64) + bytes([step]))
+    (d / "actor" / "huggingface" / "model.safetensors").write_bytes(b"w" * (10 + step))
+    (d / "data.pt").write_bytes(b"d" * step)
+    if complete:
+        receipts.write(d, step, {"ok": validated, "checks": {}, "error": None if validated else "bad"})
+    return d
+
+
+def steps(run):
+    return [s["step"] for s in checkpoints.list_states(run)]
+
+
+def test_receipt_schema_and_hashes(tmp_path):
+    d = make_state(tmp_path, 3)
+    r = json.loads((d / "receipt.json").read_text())
+    assert r["step"] == 3 and r["complete"] is True and r["hf_export"] == "actor/huggingface"
+    assert set(r["files"]) == {"actor/model_world_size_1_rank_0.pt", "actor/huggingface/model.safetensors", "data.pt"}
+    assert r["files"]["data.pt"] == {"bytes": 3, "sha256": receipts.sha256(d / "data.pt")}
+    assert r["validation"]["ok"] is True and r["written_at"].endswith("+00:00")
+    assert receipts.verify(d) == []
+    (d / "data.pt").write_bytes(b"x" * 3)  # same size, other content: only a full verify sees it
+    assert receipts.verify(d) == ["data.pt"]
+
+
+@pytest.mark.parametrize("damage", ["missing", "corrupt", "truncated_file", "wrong_step", "not_complete"])
+def test_damaged_or_missing_receipt_is_incomplete(tmp_path, damage):
+    make_state(tmp_path, 1)
+    d = make_state(tmp_path, 2)
+    if damage == "missing":
+        (d / "receipt.json").unlink()
+    elif damage == "corrupt":
+        (d / "receipt.json").write_text('{"step": 2, "complete": tr')
+    elif damage == "truncated_file":
+        (d / "actor" / "huggingface" / "model.safetensors").write_bytes(b"w")
+    elif damage == "wrong_step":
+        r = json.loads((d / "receipt.json").read_text())
+        (d / "receipt.json").write_text(json.dumps({**r, "step": 7}))
+    else:
+        r = json.loads((d / "receipt.json").read_text())
+        (d / "receipt.json").write_text(json.dumps({**r, "complete": False}))
+    states = checkpoints.list_states(tmp_path)
+    assert [(s["step"], s["complete"]) for s in states] == [(1, True), (2, False)]
+    assert states[1]["reason"] and states[1]["validated"] is None
+    assert checkpoints.newest_complete(tmp_path) == tmp_path / "global_step_1"
+    if damage != "corrupt":  # the listing command once (a subprocess imports VERL: seconds)
+        return
+    out = subprocess.run([sys.executable, "-m", "opd_patches.ops.checkpoints", "list", str(tmp_path)],
+                         capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert out.returncode == 0
+    row = [line for line in out.stdout.splitlines() if line.split()[:1] == ["2"]][0]
+    assert "NO" in row and states[1]["reason"] in row
+
+
+def test_full_disk_while_writing_a_receipt_leaves_the_old_one(tmp_path, monkeypatch):
+    d = make_state(tmp_path, 4)
+    before = (d / "receipt.json").read_text()
+    real_fsync = os.fsync
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", full)
+    with pytest.raises(OSError) as exc:
+        receipts.write(d, 4, {"ok": True, "checks": {}, "error": None})
+    assert exc.value.errno == errno.ENOSPC
+    monkeypatch.setattr(os, "fsync", real_fsync)
+    assert (d / "receipt.json").read_text() == before  # the old receipt, whole
+    assert sorted(p.name for p in d.iterdir()) == ["actor", "data.pt", "receipt.json"]  # no temp file left
+    # A state whose first receipt could not be written stays incomplete; the earlier ones stay complete.
+    e = make_state(tmp_path, 5, complete=False)
+    monkeypatch.setattr(os, "fsync", full)
+    with pytest.raises(OSError):
+        receipts.write(e, 5, None)
+    monkeypatch.setattr(os, "fsync", real_fsync)
+    assert [(s["step"], s["complete"]) for s in checkpoints.list_states(tmp_path)] == [(4, True), (5, False)]
+
+
+def test_prune_keeps_newest_complete_across_processes(tmp_path):
+    for step in (2, 4, 6):  # "an earlier process" left three complete states
+        make_state(tmp_path, step)
+    assert checkpoints.prune(tmp_path, keep=2) == [2]
+    for step in (8, 10):  # "this process" adds two more
+        make_state(tmp_path, step)
+        checkpoints.prune(tmp_path, keep=2)
+    assert steps(tmp_path) == [8, 10]
+
+
+def test_prune_rules_for_incomplete_folders(tmp_path):
+    for step in (1, 2, 3):
+        make_state(tmp_path, step)
+    make_state(tmp_path, 4, complete=False)  # a save in progress (or never finished)
+    assert checkpoints.prune(tmp_path, keep=1) == [1, 2]
+    assert steps(tmp_path) == [3, 4]  # newest complete kept, the incomplete successor untouched
+    make_state(tmp_path, 0, complete=False)  # crash debris older than the newest complete state
+    assert checkpoints.prune(tmp_path, keep=1) == [0]
+    # Nothing complete: nothing is removed.
+    other = tmp_path / "other"
+    make_state(other, 1, complete=False)
+    assert checkpoints.prune(other, keep=1) == [] and steps(other) == [1]
+    # keep <= 0 still keeps the newest complete state.
+    assert checkpoints.plan_prune(checkpoints.list_states(tmp_path), 0) == []
+
+
+def test_discard_after_and_validation_status(tmp_path):
+    make_state(tmp_path, 1, validated=False)
+    make_state(tmp_path, 2)
+    make_state(tmp_path, 3, complete=False)
+    assert [s["validated"] for s in checkpoints.list_states(tmp_path)] == [False, True, None]
+    assert checkpoints.discard_after(tmp_path, 2) == [3]
+    assert steps(tmp_path) == [1, 2]
+
+
+def test_run_summary_names_the_newest_complete_state(tmp_path):
+    make_state(tmp_path, 5)
+    make_state(tmp_path, 6, complete=False)
+    s = summary.write(tmp_path, "wall_clock", 6, "clock", requested_steps=10)
+    assert summary.read(tmp_path) == s
+    assert (s["status"], s["steps_done"], s["last_complete_step"]) == ("wall_clock", 6, 5)
+    assert "wall_clock after step 6" in summary.line(s)

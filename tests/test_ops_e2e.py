@@ -1,0 +1,214 @@
+"""Training operations end to end: the real VERL trainer on the tiny embedded models (CPU), four runs
+in two waves of two concurrent runs (concurrency also stresses the determinism: the runs' timings differ).
+
+- reference: 5 steps, a save per step, 2 states kept, NaN injected into the step-5 loss (test-only key)
+  -> receipts, validation, pruning, the non-finite guard (exit 3, nothing of step 5 saved);
+- killed (beside the reference): the same command, SIGKILL of the whole process group while step 3 is
+  being saved;
+- resumed: the same command again -> resumes from step 2 (the newest complete state), exactly the
+  newest 2 complete states kept (the killed process's states pruned too), and every step's samples
+  (`opd/samples_digest`) and losses equal the reference's: losses to 1e-6 relative (they are bit-equal:
+  the trainer orders each step's samples canonically and `rollout.full_determinism` makes the hf
+  rollout batch-invariant; see OpsTrainerMixin._balance_batch);
+- wall clock (beside the resumed run): WALL_CLOCK=270 RESERVE=0 with 500 steps requested -> stops on
+  its own at a step boundary with a validated complete export, exit 0.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from opd_patches.ops import checkpoints, summary
+
+REPO = Path(__file__).resolve().parents[1]
+COMMON = [
+    "recipe=k1", "+overlay=smoke", "trainer.total_training_steps=5", "trainer.save_freq=1",
+    "trainer.max_actor_ckpt_to_keep=2", "trainer.resume_mode=auto", "opd.debug.inject_nan_step=5",
+    # Batch-invariant hf rollout: each request generated alone, so a sample's tokens never depend on
+    # which requests arrived together (opd_patches/backends/hf_rollout.py).
+    "actor_rollout_ref.rollout.full_determinism=true",
+]
+LOSSES = ("actor/loss", "actor/distillation/loss", "actor/pg_loss")
+pytestmark = pytest.mark.slow
+
+
+def _session_leftovers(sid: int) -> list[int]:
+    out = subprocess.run(["ps", "-eo", "pid=,sid="], capture_output=True, text=True).stdout.split("\n")
+    return [int(p) for p, s in (line.split() for line in out if line.strip()) if int(s) == sid]
+
+
+class Job:
+    """./run.sh in its own session; kill_when(): SIGKILL the whole process group once it returns True."""
+
+    def __init__(self, run_dir: Path, args: list[str], env: dict | None = None, kill_when=None, timeout: int = 900):
+        run_dir.mkdir(parents=True, exist_ok=True)
+        lock = run_dir.parent / f"lock-{run_dir.name}-{time.monotonic_ns()}"  # independent of other runs' locks
+        full_env = {**os.environ, "EMBEDDED": "1", "OUTPUT_DIR": str(run_dir), "PYTHON": sys.executable,
+                    "PYTHONUNBUFFERED": "1", "OPD_LOCK_DIR": str(lock), **(env or {})}
+        self.args, self.kill_when, self.code = args, kill_when, None
+        self.log = open(run_dir.parent / f"{run_dir.name}.log", "a")
+        self.proc = subprocess.Popen([str(REPO / "run.sh"), *args], cwd=REPO, env=full_env, stdout=self.log,
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+        self.deadline = time.monotonic() + timeout
+
+    def poll(self) -> bool:
+        """True once finished (exit status in .code, -SIGKILL when killed)."""
+        if self.code is not None:
+            return True
+        if self.proc.poll() is not None:
+            self.code = self.proc.returncode
+        elif self.kill_when is not None and self.kill_when():
+            self.kill()
+            self.code = -signal.SIGKILL
+        elif time.monotonic() > self.deadline:
+            self.kill()
+            self.log.close()
+            pytest.fail(f"run.sh {self.args} did not finish in time (log {self.log.name})")
+        if self.code is not None:
+            self.log.close()
+        return self.code is not None
+
+    def wait(self) -> int:
+        while not self.poll():
+            time.sleep(0.05)
+        return self.code
+
+    def kill(self):
+        os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(30)
+        time.sleep(2)
+        for pid in _session_leftovers(self.proc.pid):  # Ray processes of that session, if any survived
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def wait_all(*jobs: Job) -> list[int]:
+    while not all([j.poll() for j in jobs]):  # a list: poll every job on each pass (kill timing)
+        time.sleep(0.05)
+    return [j.code for j in jobs]
+
+
+def metrics(run_dir: Path, name: str = "metrics.jsonl") -> dict[int, dict]:
+    rows = [json.loads(line) for line in (run_dir / name).read_text().splitlines() if line.strip()]
+    return {r["step"]: r["data"] for r in rows}
+
+
+def log_text(run_dir: Path) -> str:
+    return (run_dir.parent / f"{run_dir.name}.log").read_text(errors="replace")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, embedded):
+    return tmp_path_factory.mktemp("ops_e2e")
+
+
+@pytest.fixture(scope="module")
+def first_wave(runs):
+    """The reference run and the run killed while saving step 3, side by side."""
+    ref, run = runs / "reference", runs / "resumed"
+    seen = {}
+
+    def saving_step_3():
+        s2, s3 = run / "global_step_2" / "receipt.json", run / "global_step_3"
+        if s2.exists() and s3.exists():
+            seen["receipt_3_at_kill"] = (s3 / "receipt.json").exists()
+            return True
+        return False
+
+    ref_code, killed = wait_all(Job(ref, COMMON), Job(run, COMMON, kill_when=saving_step_3))
+    seen["states_after_kill"] = [(s["step"], s["complete"]) for s in checkpoints.list_states(run)]
+    return {"reference": (ref, ref_code), "killed": (run, killed, seen)}
+
+
+@pytest.fixture(scope="module")
+def reference(first_wave):
+    return first_wave["reference"]
+
+
+@pytest.fixture(scope="module")
+def wall(runs):
+    """Started, not awaited: it runs beside the resumed run (test_wall_clock_... waits for it)."""
+    job = Job(runs / "wall", ["recipe=k1", "+overlay=smoke", "trainer.total_training_steps=500", "trainer.save_freq=100"],
+              env={"WALL_CLOCK": "270", "RESERVE": "0"})
+    yield runs / "wall", job
+    if job.code is None and job.proc.poll() is None:  # the session stopped early (-x): leave no run behind
+        job.kill()
+
+
+@pytest.fixture(scope="module")
+def resumed(first_wave, wall):
+    run, killed, seen = first_wave["killed"]
+    return run, killed, Job(run, COMMON).wait(), seen
+
+
+def test_receipts_pruning_and_nan_guard(reference):
+    run, code = reference
+    text = log_text(run)
+    assert code == summary.EXIT_CODES["non_finite"], text[-3000:]
+    s = summary.read(run)
+    assert s["status"] == "non_finite" and s["steps_done"] == 4 and s["last_complete_step"] == 4, s
+    assert s["step"] == 5 and s["quantity"] in LOSSES + ("actor/grad_norm",), s
+    assert f"non-finite {s['quantity']}" in text and "at step 5" in text
+    assert "TEST fault injection: teacher_logprobs set to NaN at step 5" in text
+    states = checkpoints.list_states(run)
+    assert [(x["step"], x["complete"], x["validated"]) for x in states] == [(3, True, True), (4, True, True)]
+    assert not (run / "global_step_5").exists()  # nothing of the poisoned step saved
+    receipt = json.loads((run / "global_step_4" / "receipt.json").read_text())
+    assert receipt["step"] == 4 and receipt["hf_export"] == "actor/huggingface"
+    assert "actor/huggingface/model.safetensors" in receipt["files"] and "data.pt" in receipt["files"]
+    checks = receipt["validation"]["checks"]
+    assert {"parameter count", "dtype", "finite weights", "generate"} <= set(checks)
+    assert sorted(metrics(run)) == [1, 2, 3, 4]
+
+
+def test_kill_during_save_then_resume_continues(resumed):
+    run, killed, code, seen = resumed
+    assert killed == -signal.SIGKILL
+    assert seen["receipt_3_at_kill"] is False and (2, True) in seen["states_after_kill"], seen
+    assert (3, False) in seen["states_after_kill"], seen  # killed mid-save: an incomplete folder
+    text = log_text(run)
+    assert code == summary.EXIT_CODES["non_finite"], text[-3000:]
+    assert f"resume: from the newest complete state {run / 'global_step_2'}" in text
+    # Same samples and losses as the reference: test_resumed_losses_equal_to_1e_6. Exactly the newest two complete states, across the restart (steps 1, 2 of the killed process pruned).
+    assert [(x["step"], x["complete"]) for x in checkpoints.list_states(run)] == [(3, True), (4, True)]
+    assert summary.read(run)["last_complete_step"] == 4
+
+
+def resumed_and_reference_metrics(run, ref_run):
+    # Steps 1-2 were logged by the killed process (rotated to metrics.1.jsonl), 3-4 by the resumed one.
+    got = {**metrics(run, "metrics.1.jsonl"), **metrics(run)}
+    assert sorted(got) == [1, 2, 3, 4], sorted(got)
+    return got, metrics(ref_run)
+
+
+def test_resumed_losses_equal_to_1e_6(reference, resumed):
+    got, want = resumed_and_reference_metrics(resumed[0], reference[0])
+    for step in (1, 2, 3, 4):
+        # The same samples (content digest of the step's canonically ordered batch), then the same losses.
+        assert got[step]["opd/samples_digest"] == want[step]["opd/samples_digest"], step
+        for key in LOSSES + ("actor/grad_norm",):
+            assert got[step][key] == pytest.approx(want[step][key], rel=1e-6, abs=1e-12), (step, key)
+
+
+def test_wall_clock_stops_with_a_validated_export(wall):
+    run, job = wall
+    code = job.wait()
+    text = log_text(run)
+    assert code == 0, text[-3000:]
+    s = summary.read(run)
+    assert s["status"] == "wall_clock" and 1 <= s["steps_done"] < 500, s
+    assert s["last_complete_step"] == s["steps_done"], s  # the last step was saved, not lost to the clock
+    newest = checkpoints.list_states(run)[-1]
+    assert newest["step"] == s["steps_done"] and newest["complete"] and newest["validated"] is True
+    assert f"stopping after step {s['steps_done']}: wall clock" in text
+    assert summary.line(s) in text  # the driver's summary line
+    manifest = json.loads((run / "manifest.json").read_text())
+    assert manifest["config"]["opd"]["wall_clock_s"] == 270
