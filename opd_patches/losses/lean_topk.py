@@ -42,11 +42,11 @@ Shapes: logits (T, V) or hidden (T, H) + weight (V, H); teacher ids/log-probs (T
 """
 
 import math
-import os
 
 import torch
 import torch.nn.functional as F
 
+from opd_patches.losses.switch import env_switch
 from opd_patches.losses.tail_kl import _LOG_FLOOR, TAIL_EPS, log1mexp
 
 # On by default: on one H200 at the 1.5B architecture (docs/bench/h200-2026-11-30.json, update rows)
@@ -61,12 +61,7 @@ _LOG_TAIL_EPS = math.log(TAIL_EPS)
 
 def enabled() -> bool:
     """Whether the VERL hook routes top-k losses through the lean path (env OPD_LEAN_TOPK=0/1)."""
-    value = os.environ.get(ENV)
-    if value is None or value == "":
-        return DEFAULT_ENABLED
-    if value not in ("0", "1", "true", "false", "True", "False"):
-        raise ValueError(f"{ENV}={value!r}: use 1 or 0 (set by the recipe key opd.lean_topk).")
-    return value in ("1", "true", "True")
+    return env_switch(ENV, DEFAULT_ENABLED, "opd.lean_topk")
 
 
 def _chunk_forward(z, ids, t, clamp, with_tail):

@@ -33,11 +33,11 @@ Selection: `opd.fast_logprobs` (recipes/base.yaml) -> env OPD_FAST_LOGPROBS in e
 Shapes: logits (..., V), labels (...) integer -> log-probs (...).
 """
 
-import os
-
 import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
+
+from opd_patches.losses.switch import env_switch
 
 ENV = "OPD_FAST_LOGPROBS"
 DEFAULT_ENABLED = True
@@ -47,12 +47,7 @@ CHUNK_BYTES = 256 * 2**20  # fp32 scratch per chunk: 441 tokens at V = 151,936
 
 def enabled() -> bool:
     """Whether upstream's fallback is replaced by this path (env OPD_FAST_LOGPROBS=0/1; unset: default)."""
-    value = os.environ.get(ENV)
-    if value is None or value == "":
-        return DEFAULT_ENABLED
-    if value not in ("0", "1", "true", "false", "True", "False"):
-        raise ValueError(f"{ENV}={value!r}: use 1 or 0 (set by the recipe key opd.fast_logprobs).")
-    return value in ("1", "true", "True")
+    return env_switch(ENV, DEFAULT_ENABLED, "opd.fast_logprobs")
 
 
 def default_chunk(vocab: int) -> int:
