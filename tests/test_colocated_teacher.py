@@ -241,8 +241,10 @@ def test_offload_onload_keeps_outputs_identical(sharp_path, sequences):
     calls = " ".join(m if isinstance(m, str) else "fwd" for m in moves).split("_offload")
     assert len(calls) == 3 and calls[-1] == "" and all(c.strip().startswith("_onload fwd") for c in calls[:2])
     assert all(m == device for m in moves if not isinstance(m, str))
-    host = parked._host  # the page-locked (on accelerators) host copy the offload points back to
-    assert all(p.data_ptr() == host[n].data_ptr() for n, p in parked.model.named_parameters())
+    # every tensor points back into the one flat (page-locked on accelerators) host buffer, at its slot
+    host, layout = parked._host, parked._layout
+    assert parked._device_buffer is None
+    assert [t.data_ptr() - host.data_ptr() for _, t in parked._tensors()] == [off for off, _ in layout]
     assert next(resident.model.parameters()).device == device
 
 

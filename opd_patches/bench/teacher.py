@@ -41,10 +41,32 @@ def colocated_row(model, seqs, size, ref):
                                    chunk_size=size.teacher_chunk, max_tokens=size.teacher_max_tokens, canary_every=1)
     model.to("cpu")  # only the worker's copy on the device, as in training
     r = measure(lambda n=None: teacher.score(seqs[:n]), device, size.repeats, warmup_fn=lambda: teacher.score(seqs[:2]))
+    parts = call_parts(teacher, device)
     model.to(device)
     f = measure(lambda: ref(k=size.topk), device, size.repeats)
-    print(f"[bench] teacher/colocated_k{size.topk}: {r['time_s']:.3f} s (ref {f['time_s']:.3f} s)", flush=True)
-    return row(f"teacher/colocated_k{size.topk}", r, f, size.tokens)
+    print(f"[bench] teacher/colocated_k{size.topk}: {r['time_s']:.3f} s (ref {f['time_s']:.3f} s); parts "
+          + ", ".join(f"{k} {v:.3f} s" for k, v in parts.items()), flush=True)
+    return row(f"teacher/colocated_k{size.topk}", r, f, size.tokens, parts_s=parts)
+
+
+def call_parts(teacher, device, repeats=3) -> dict:
+    """Median seconds of the whole call's non-scoring parts: onload, canary rescan, offload."""
+    import statistics
+    import time
+
+    def timed(fn):
+        torch.cuda.synchronize(device) if device.type == "cuda" else None
+        start = time.perf_counter()
+        fn()
+        torch.cuda.synchronize(device) if device.type == "cuda" else None
+        return time.perf_counter() - start
+
+    got = {"onload": [], "canary": [], "offload": []}
+    for _ in range(repeats):
+        got["onload"].append(timed(teacher._onload))
+        got["canary"].append(timed(lambda: teacher.canary.check(teacher.model)))
+        got["offload"].append(timed(teacher._offload))
+    return {k: statistics.median(v) for k, v in got.items()}
 
 
 def run_phase(size, args) -> dict:
