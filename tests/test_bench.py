@@ -56,3 +56,18 @@ def test_cpu_kernels_script_writes_json(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     doc = json.loads(out.read_text())
     assert doc["config"]["vocab"] == 512 and len(doc["rows"]) == 2 and doc["rows"][1]["ratio"] > 0
+
+
+def test_layout_phase_packed_and_padded_compute_the_batched_function():
+    """The `layout` rows time the same function: VERL's packed (rmpad) row and its padded layout give the
+    batched row's hidden states on the kept tokens (a packed row without the block mask would not)."""
+    from types import SimpleNamespace
+
+    from opd_patches.bench.layout import run_phase
+    from opd_patches.bench.sizes import SIZES
+
+    entry = run_phase(SIZES["cpu"], SimpleNamespace())
+    rows = {r["name"]: r for r in entry["rows"]}
+    assert set(rows) == {"layout/batched", "layout/packed", "layout/padded"}
+    for r in rows.values():
+        assert r["time_s"] > 0 and r["hidden_max_abs_diff"] < 1e-4

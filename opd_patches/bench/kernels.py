@@ -7,7 +7,9 @@ Real paths are the functions VERL's actor calls (verl 0.9.1, fsdp strategy):
 - `topk_default` / `topk_chunked`: upstream's fsdp `compute_forward_kl_topk` (the unwrapped original;
   `use_chunked_topk` false / true with its default chunk) then the registered loss's clamp at 0;
 - `topk_tail`: our wrapper with the lean mode off (upstream's function + the tail term);
-- `lean_topk`, `lean_topk_tail`: our wrapper with the lean mode on (losses/lean_topk.py);
+- `lean_topk`, `lean_topk_tail`: our wrapper with the lean mode on (losses/lean_topk.py), its O(T*V)
+  part by OPD_LEAN_TOPK_KERNEL=auto (the Triton kernels of losses/lean_topk_triton.py on CUDA, torch on
+  the CPU); `lean_topk_torch`, `lean_topk_tail_torch`: the same with the torch path forced;
 - `lean_fused_tail`: LeanTopKFromHidden (hidden states + lm_head weight; not hooked into VERL);
 - `logprob_upstream` / `logprob_patched`: `logprobs_from_logits` alone (the sampled-token log-prob of
   every update) with the fallback patch off (upstream's per-row v2 without flash-attn) / on
@@ -36,10 +38,14 @@ TOPK_MODES = {  # row -> (loss_mode, lean env, use_chunked_topk, clamp at 0 like
     "topk_tail": ("forward_kl_topk_tail", "0", False),
     "lean_topk": ("forward_kl_topk", "1", False),
     "lean_topk_tail": ("forward_kl_topk_tail", "1", False),
+    "lean_topk_torch": ("forward_kl_topk", "1", False),
+    "lean_topk_tail_torch": ("forward_kl_topk_tail", "1", False),
 }
+LEAN_KERNEL = {"lean_topk_torch": "torch", "lean_topk_tail_torch": "torch"}  # row -> OPD_LEAN_TOPK_KERNEL (else auto)
 REF_OF = {"logprob_upstream": "ref_logprob", "logprob_patched": "ref_logprob",
           "k1_pg": "ref_k1", "topk_default": "ref_topk", "topk_chunked": "ref_topk", "lean_topk": "ref_topk",
-          "topk_tail": "ref_tail", "lean_topk_tail": "ref_tail", "lean_fused_tail": "ref_tail"}
+          "topk_tail": "ref_tail", "lean_topk_tail": "ref_tail", "lean_fused_tail": "ref_tail",
+          "lean_topk_torch": "ref_topk", "lean_topk_tail_torch": "ref_tail"}
 
 
 @contextlib.contextmanager
@@ -118,7 +124,8 @@ def loss_topk(name, logits, d, size):
     from verl.trainer.distillation.fsdp import losses as fsdp_losses
 
     mode, lean, chunked = TOPK_MODES[name]
-    with lean_env(lean):
+    # LeanTopK picks its kernel in forward and keeps it for backward (which runs outside these contexts).
+    with lean_env(lean), lean_env(LEAN_KERNEL.get(name, "auto"), var="OPD_LEAN_TOPK_KERNEL"):
         out = fsdp_losses.compute_forward_kl_topk(
             logits[None], _nested(d["lp"]), _nested(d["ids"]), _loss_config(mode, chunked, size), "thd")
     per_token = out["distillation_losses"]
@@ -210,9 +217,23 @@ def standalone(size, names, notes):
     def run(loss_fn, fused=False):
         return measure(partial(step, loss_fn, fused), device, size.repeats, warmup_fn=partial(step, loss_fn, fused, 1))
 
+    def grad_error(loss_fn, ref_fn):
+        """Max |d loss / d logits| difference from the reference on the first micro-batch (untimed)."""
+        n = mbs[0] * size.seq_len
+        dd = {k: v[:n] for k, v in d.items()}
+        grads = []
+        for fn in (loss_fn, ref_fn):
+            with autocast(size):
+                fn(logits[:n], dd, size).backward()
+            grads.append(logits.grad[:n])
+            logits.grad = None
+        return max((grads[0][a:a + 2048].float() - grads[1][a:a + 2048].float()).abs().max().item()
+                   for a in range(0, n, 2048))
+
     refs, rows = {}, []
     for name in names:
         ref_name = REF_OF[name]
+        err = None
         if name == "lean_fused_tail":
             ref_fn = lambda h, w, dd, s: ref_tail(F.linear(h, w), dd, s)  # noqa: E731
             real = run(loss_lean_fused, fused=True)
@@ -220,10 +241,12 @@ def standalone(size, names, notes):
         else:
             real = run(real_loss(name))
             ref = refs.setdefault(ref_name, run(REFS[ref_name]))
-        rows.append(row(f"loss/{name}", real, ref, size.tokens, reference=ref_name))
+            err = grad_error(real_loss(name), REFS[ref_name])
+        rows.append(row(f"loss/{name}", real, ref, size.tokens, reference=ref_name, grad_max_abs_err=err))
         print(f"[bench] loss/{name}: {real['time_s']:.3f} s (ref {ref['time_s']:.3f} s)", flush=True)
     notes.append(f"loss rows: a (T_mb, {vocab}) {size.dtype} logits leaf, micro-batches {mbs} x {size.seq_len} "
-                 "tokens; peaks include the resident logits leaf and inputs")
+                 "tokens; peaks include the resident logits leaf and inputs; grad_max_abs_err: the largest "
+                 "logit-gradient difference from the reference on the first micro-batch")
     return rows
 
 
@@ -292,8 +315,8 @@ def in_model(size, names, notes):
     return rows
 
 
-ALL = ["logprob_upstream", "logprob_patched",
-       "k1_pg", "topk_default", "topk_chunked", "topk_tail", "lean_topk", "lean_topk_tail", "lean_fused_tail"]
+ALL = ["logprob_upstream", "logprob_patched", "k1_pg", "topk_default", "topk_chunked", "topk_tail",
+       "lean_topk", "lean_topk_tail", "lean_topk_torch", "lean_topk_tail_torch", "lean_fused_tail"]
 
 
 def run_phase(size, args) -> dict:

@@ -1,6 +1,6 @@
 """CLI of `make bench`: run one phase at one size, merge it into the JSON, print the table.
 
-    python -m opd_patches.bench --phase kernels|teacher|step [--size full|cpu] [--out bench.json]
+    python -m opd_patches.bench --phase kernels|teacher|step|layout [--size full|cpu] [--out bench.json]
         [--variants k1_pg lean_topk_tail ...] [--no-model]          (kernels)
         [--recipe topk] [--rollout vllm|hf] [--steps 2] [--override K=V ...]   (step)
 """
@@ -18,6 +18,7 @@ PHASES = {
     "kernels": "opd_patches.bench.kernels:run_phase",
     "teacher": "opd_patches.bench.teacher:run_phase",
     "step": "opd_patches.bench.step:run_phase",
+    "layout": "opd_patches.bench.layout:run_phase",
 }
 
 

@@ -36,16 +36,28 @@ Memory (T tokens, V vocabulary, bf16 logits as the actor's autocast lm_head prod
 
 Numerics: fp32 throughout per chunk (matches upstream's default path to fp32 rounding); the gradient is
 returned in the input's dtype (as autocast's cast-back does upstream). Chunk size changes memory only.
+
+Kernel path (`LeanTopK` only; `LeanTopKFromHidden` stays on torch): env OPD_LEAN_TOPK_KERNEL = auto
+(default: lean_topk_triton's fused kernels where they can run, i.e. CUDA, else torch) | triton | torch.
+The forward kernel returns lse, lse_out and per id the count of logits strictly greater than z[id_j]
+over the whole (T, V) at once (O(T) outputs, no chunk loop); `_token_terms` computes every O(T*K)
+quantity for both paths; the backward kernel writes the gradient of `_chunk_grad`'s formula once.
+Tie convention of the overlap diagnostics (`overlap_count`, `overlap_token_advantage`; not in the
+loss): on the kernel path a teacher id counts as in the student's top-k when fewer than K logits are
+strictly greater than its logit; torch.topk breaks ties arbitrarily, so the paths agree where there
+are no ties. The kernel path needs no scratch beyond O(T*K).
 Selection: `opd.lean_topk` (recipes/base.yaml) -> env OPD_LEAN_TOPK in every Ray worker ->
 `enabled()`; the hook is backends/upstream_patches.py. `DEFAULT_ENABLED` applies when the variable is unset.
 Shapes: logits (T, V) or hidden (T, H) + weight (V, H); teacher ids/log-probs (T, K); outputs (T,).
 """
 
 import math
+import os
 
 import torch
 import torch.nn.functional as F
 
+from opd_patches.losses import lean_topk_triton
 from opd_patches.losses.switch import env_switch
 from opd_patches.losses.tail_kl import _LOG_FLOOR, TAIL_EPS, log1mexp
 
@@ -57,6 +69,8 @@ ENV = "OPD_LEAN_TOPK"
 LOSS_MODES = ("forward_kl_topk", "forward_kl_topk_tail")
 DEFAULT_CHUNK = 2048  # tokens per chunk: (2048, 151936) fp32 is 1.2 GiB of scratch per buffer
 _LOG_TAIL_EPS = math.log(TAIL_EPS)
+KERNEL_ENV = "OPD_LEAN_TOPK_KERNEL"
+KERNEL_CHOICES = ("auto", "triton", "torch")  # auto: triton where lean_topk_triton.available, else torch
 
 
 def enabled() -> bool:
@@ -64,15 +78,45 @@ def enabled() -> bool:
     return env_switch(ENV, DEFAULT_ENABLED, "opd.lean_topk")
 
 
+def kernel_choice() -> str:
+    """The O(T*V) implementation of LeanTopK: env OPD_LEAN_TOPK_KERNEL, one of KERNEL_CHOICES (unset: auto)."""
+    value = os.environ.get(KERNEL_ENV) or "auto"
+    if value not in KERNEL_CHOICES:
+        raise ValueError(f"{KERNEL_ENV}={value!r}: use one of {', '.join(KERNEL_CHOICES)} (unset means auto).")
+    return value
+
+
+def _use_triton(device) -> bool:
+    choice = kernel_choice()
+    if choice == "torch":
+        return False
+    ok = lean_topk_triton.available(device)
+    if choice == "triton" and not ok:
+        raise RuntimeError(
+            f"{KERNEL_ENV}=triton, but the Triton kernels cannot run on {device}: they need triton installed "
+            f"and a CUDA device (or TRITON_INTERPRET=1, the CPU interpreter). Set {KERNEL_ENV}=auto or torch.")
+    return ok
+
+
 def _chunk_forward(z, ids, t, clamp, with_tail):
     """Per-token values and backward coefficients of one chunk. z (c, V) fp32 scratch (overwritten)."""
     lse = torch.logsumexp(z, dim=-1)
     s = z.gather(-1, ids) - lse[:, None]
     student_top = z.topk(ids.shape[-1], dim=-1).indices  # overlap diagnostic only (topk(z) == topk(s))
+    overlap = (ids.unsqueeze(-1) == student_top.unsqueeze(-2)).any(dim=-1)
+    lse_out = None
+    if with_tail:
+        z.scatter_(-1, ids, float("-inf"))
+        lse_out = torch.logsumexp(z, dim=-1)  # -inf where S covers the vocabulary
+    return _token_terms(s, t, lse, lse_out, overlap, clamp)
+
+
+def _token_terms(s, t, lse, lse_out, overlap, clamp):
+    """Everything O(T*K), shared by the torch and the Triton paths: s (T, K) student log-probs of the ids,
+    t (T, K) teacher log-probs, lse (T,), lse_out (T,) (None without the tail), overlap (T, K) bool."""
     s_c, t_c = (s, t) if clamp is None else (s.clamp_min(clamp), t.clamp_min(clamp))
     w = t_c.exp()
     token_kl = w * (t_c - s_c)
-    overlap = (ids.unsqueeze(-1) == student_top.unsqueeze(-2)).any(dim=-1)
     count = overlap.sum(dim=-1)
     adv = (-token_kl * overlap).sum(-1) / count.clamp_min(1)
     out = {
@@ -84,9 +128,7 @@ def _chunk_forward(z, ids, t, clamp, with_tail):
         "lse": lse,
         "wa": w if clamp is None else w * (s >= clamp),
     }
-    if with_tail:
-        z.scatter_(-1, ids, float("-inf"))
-        lse_out = torch.logsumexp(z, dim=-1)  # -inf where S covers the vocabulary
+    if lse_out is not None:
         student_tail = lse_out - lse
         teacher_tail = log1mexp(torch.logsumexp(t, dim=-1))
         has = teacher_tail > _LOG_TAIL_EPS
@@ -141,6 +183,17 @@ def _forward_all(n, device, chunk, logits_of, ids, t, clamp, with_tail):
     return trunc, tail, stats, (lse, wa, tail_coef, lse_out)
 
 
+def _forward_triton(logits, ids, t, clamp, with_tail):
+    """_forward_all's outputs with the O(T*V) part (lse, lse_out, overlap) from the fused forward kernel."""
+    lse, lse_out, above = lean_topk_triton.lean_topk_triton_parts(logits, ids, with_tail=with_tail)
+    s = logits.gather(-1, ids).float() - lse[:, None]
+    # Tie convention: id_j counts as in the student's top-k when fewer than K logits are strictly greater.
+    o = _token_terms(s, t, lse, lse_out, above < ids.shape[-1], clamp)
+    tail = o["tail"] if with_tail else torch.zeros_like(o["truncated"])
+    saved = (lse, o["wa"], o.get("tail_coef"), o.get("lse_out"))
+    return o["truncated"], tail, {name: o[name] for name in _STATS}, saved
+
+
 def _prepare(ids, t, chunk):
     if chunk is None or chunk <= 0:
         raise ValueError(f"lean top-k chunk size must be a positive number of tokens, got {chunk}")
@@ -156,11 +209,15 @@ class LeanTopK(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, ids, t, clamp, with_tail, chunk):
         ids, t = _prepare(ids, t, chunk)
+        ctx.triton = _use_triton(logits.device)
         with torch.autocast(logits.device.type, enabled=False), torch.no_grad():
-            trunc, tail, stats, saved = _forward_all(
-                logits.shape[0], logits.device, chunk,
-                lambda a, b: logits[a:b].to(torch.float32, copy=True), ids, t, clamp, with_tail,
-            )
+            if ctx.triton:
+                trunc, tail, stats, saved = _forward_triton(logits, ids, t, clamp, with_tail)
+            else:
+                trunc, tail, stats, saved = _forward_all(
+                    logits.shape[0], logits.device, chunk,
+                    lambda a, b: logits[a:b].to(torch.float32, copy=True), ids, t, clamp, with_tail,
+                )
         ctx.save_for_backward(logits, ids, *[x for x in saved if x is not None])
         ctx.with_tail, ctx.chunk = with_tail, chunk
         ctx.mark_non_differentiable(*stats.values())
@@ -174,6 +231,14 @@ class LeanTopK(torch.autograd.Function):
         g_trunc = torch.zeros(n, device=logits.device) if g_trunc is None else g_trunc.float()
         use_tail = ctx.with_tail and g_tail is not None
         with torch.autocast(logits.device.type, enabled=False), torch.no_grad():
+            if ctx.triton:  # the same coefficients as _chunk_grad, the O(T*V) part in one kernel
+                coef, wg = g_trunc * wa.sum(-1), g_trunc[:, None] * wa
+                if use_tail:
+                    ct = g_tail.float() * tail_coef
+                    grad = lean_topk_triton.lean_topk_triton_grad(logits, ids, lse, coef + ct, wg, ct, lse_out)
+                else:
+                    grad = lean_topk_triton.lean_topk_triton_grad(logits, ids, lse, coef, wg)
+                return grad, None, None, None, None, None
             for a in range(0, n, ctx.chunk):
                 b = min(a + ctx.chunk, n)
                 extra = (g_tail[a:b].float(), tail_coef[a:b], lse_out[a:b]) if use_tail else ()
