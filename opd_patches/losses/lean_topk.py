@@ -227,7 +227,7 @@ class LeanTopK(torch.autograd.Function):
     def backward(ctx, g_trunc, g_tail, *_):
         logits, ids, lse, wa, *tail_saved = ctx.saved_tensors
         tail_coef, lse_out = tail_saved if ctx.with_tail else (None, None)
-        n, grad = logits.shape[0], torch.empty_like(logits)
+        n = logits.shape[0]
         g_trunc = torch.zeros(n, device=logits.device) if g_trunc is None else g_trunc.float()
         use_tail = ctx.with_tail and g_tail is not None
         with torch.autocast(logits.device.type, enabled=False), torch.no_grad():
@@ -239,6 +239,7 @@ class LeanTopK(torch.autograd.Function):
                 else:
                     grad = lean_topk_triton.lean_topk_triton_grad(logits, ids, lse, coef, wg)
                 return grad, None, None, None, None, None
+            grad = torch.empty_like(logits)  # allocated here only: the kernel path makes its own
             for a in range(0, n, ctx.chunk):
                 b = min(a + ctx.chunk, n)
                 extra = (g_tail[a:b].float(), tail_coef[a:b], lse_out[a:b]) if use_tail else ()
