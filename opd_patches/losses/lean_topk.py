@@ -61,9 +61,10 @@ from opd_patches.losses import lean_topk_triton
 from opd_patches.losses.switch import env_switch
 from opd_patches.losses.tail_kl import _LOG_FLOOR, TAIL_EPS, log1mexp
 
-# On by default: on one H200 at the 1.5B architecture (docs/bench/h200-2026-11-30.json, update rows)
-# it held 0.41x (forward_kl_topk) and 0.26x (forward_kl_topk_tail) of upstream's peak memory at
-# 1.03x and 0.93x of its time.
+# On by default: on one H200 at the 1.5B architecture (docs/bench/h200-2026-11-30-b.json, update rows,
+# Triton kernels) it held 0.40x (forward_kl_topk) and 0.23x (forward_kl_topk_tail) of upstream's peak
+# memory at 0.92x and 0.78x of its time; the torch path alone: 0.41x / 0.26x at 1.02x / 0.94x
+# (the first kernels call of that day).
 DEFAULT_ENABLED = True
 ENV = "OPD_LEAN_TOPK"
 LOSS_MODES = ("forward_kl_topk", "forward_kl_topk_tail")
