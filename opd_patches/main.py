@@ -165,6 +165,14 @@ def configure_ray(config: DictConfig, run_dir: Path) -> None:
         if not isinstance(lean, bool):
             raise ConfigError(f"opd.lean_topk={lean!r}: use true, false or null (the built-in default).")
         env["OPD_LEAN_TOPK"] = "1" if lean else "0"
+    kernel = config.opd.get("lean_topk_kernel")  # null: auto (opd_patches/losses/lean_topk.py)
+    if kernel is not None:
+        from opd_patches.losses.lean_topk import KERNEL_CHOICES, KERNEL_ENV
+
+        if kernel not in KERNEL_CHOICES:
+            raise ConfigError(
+                f"opd.lean_topk_kernel={kernel!r}: use one of {', '.join(KERNEL_CHOICES)} or null (auto).")
+        env[KERNEL_ENV] = kernel
     fast = config.opd.get("fast_logprobs")  # null: the default in opd_patches/losses/sampled_logprob.py
     if fast is not None:
         if not isinstance(fast, bool):

@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from opd_patches.bench import results
 from opd_patches.bench.run import PHASES
 
@@ -71,3 +73,30 @@ def test_layout_phase_packed_and_padded_compute_the_batched_function():
     assert set(rows) == {"layout/batched", "layout/packed", "layout/padded"}
     for r in rows.values():
         assert r["time_s"] > 0 and r["hidden_max_abs_diff"] < 1e-4
+
+
+@pytest.mark.slow
+def test_step_phase_runs_two_recipes_at_once_and_reads_verl_timings(tmp_path, embedded):
+    """`make bench PHASE=step RECIPE="k1 topk" GPUS="0 1"` at SIZE=cpu: two real run.sh trainings at the
+    same time (own lock folders and model folders), one step each; the rows come from VERL's own
+    metrics.jsonl (timing_s/*), and every step is accounted for by its phases within the CPU's slack."""
+    out = tmp_path / "bench.json"
+    earlier = {"steps": [], "rollout": "hf", "steps_done": 0, "steps_requested": 1}
+    results.merge(out, "step", {"size": "cpu", "recipes": {"topk_tail": earlier}})
+    proc = subprocess.run(
+        [sys.executable, "-m", "opd_patches.bench", "--phase", "step", "--size", "cpu", "--out", str(out),
+         "--recipe", "k1", "topk", "--gpus", "0", "1", "--steps", "1", "--rollout", "hf",
+         "--workdir", str(tmp_path / "work"), "--timeout", "600"],
+        cwd=REPO, capture_output=True, text=True, timeout=900,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    entry = json.loads(out.read_text())["phases"]["step"]
+    assert set(entry["recipes"]) == {"k1", "topk", "topk_tail"}  # the earlier recipe's result is kept
+    for name, gpu in (("k1", "0"), ("topk", "1")):
+        r = entry["recipes"][name]
+        assert r["returncode"] == 0 and r["steps_done"] == 1 and r["gpu"] == gpu, r
+        assert (tmp_path / "work" / name / f"run_{name}" / "metrics.jsonl").exists()
+    rows = {r["name"]: r for r in entry["rows"]}
+    assert set(rows) == {"step/k1/hf/1", "step/topk/hf/1"}
+    for r in rows.values():
+        assert r["timing_s/gen"] > 0 and r["timing_s/update_actor"] > 0 and r["ref_time_s"] <= r["time_s"] * 1.01

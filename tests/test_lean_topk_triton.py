@@ -219,3 +219,24 @@ def test_kernel_switch(monkeypatch):
         lt._use_triton(cpu)
     monkeypatch.setattr(ltt, "triton", None)
     assert not ltt.available(torch.device("cuda"))
+
+
+def test_recipe_key_reaches_the_workers_env(tmp_path):
+    """opd.lean_topk_kernel -> OPD_LEAN_TOPK_KERNEL in Ray's runtime env; a bad value names the key."""
+    from omegaconf import OmegaConf
+
+    from opd_patches.main import ConfigError, configure_ray
+
+    def env_of(value):
+        config = OmegaConf.create({
+            "opd": {"teacher_placement": "colocated", "lean_topk_kernel": value},
+            "ray_kwargs": {"ray_init": {}}, "trainer": {"n_gpus_per_node": 1, "nnodes": 1},
+        })
+        configure_ray(config, tmp_path)
+        return config.ray_kwargs.ray_init.runtime_env.env_vars
+
+    assert env_of("torch")[lt.KERNEL_ENV] == "torch" and env_of("triton")[lt.KERNEL_ENV] == "triton"
+    assert lt.KERNEL_ENV not in env_of(None)
+    with pytest.raises(ConfigError, match="opd.lean_topk_kernel"):
+        env_of("cuda")
+    assert OmegaConf.load(Path(__file__).resolve().parents[1] / "recipes" / "base.yaml").opd.lean_topk_kernel == "auto"

@@ -2,7 +2,7 @@
 
     python -m opd_patches.bench --phase kernels|teacher|step|layout [--size full|cpu] [--out bench.json]
         [--variants k1_pg lean_topk_tail ...] [--no-model]          (kernels)
-        [--recipe topk] [--rollout vllm|hf] [--steps 2] [--override K=V ...]   (step)
+        [--recipe topk [k1 ...]] [--gpus 0 1] [--rollout vllm|hf] [--steps 2] [--override K=V ...]   (step)
 """
 
 import argparse
@@ -38,7 +38,8 @@ def main(argv=None) -> int:
     parser.add_argument("--variants", nargs="+", help="kernels phase: a subset of the loss paths")
     parser.add_argument("--no-model", action="store_true", help="kernels phase: standalone loss rows only")
     step = parser.add_argument_group("step phase (full training steps through run.sh)")
-    step.add_argument("--recipe", default="topk")
+    step.add_argument("--recipe", nargs="+", default=["topk"], help="one or more recipes")
+    step.add_argument("--gpus", nargs="+", help="one GPU index per recipe: run the recipes at the same time")
     step.add_argument("--rollout", choices=("vllm", "hf"), default="vllm")
     step.add_argument("--steps", type=int, default=2)
     step.add_argument("--override", nargs="*", help="extra Hydra overrides for run.sh")

@@ -1,7 +1,8 @@
 """Bench phase `step`: full training steps of a recipe at the R1-Distill-1.5B architecture.
 
-    python -m opd_patches.bench --phase step --recipe topk [--steps 2] [--rollout vllm|hf] [--size full|cpu]
-        [--override KEY=VALUE ...]        (make bench PHASE=step RECIPE=topk)
+    python -m opd_patches.bench --phase step --recipe topk [k1 ...] [--gpus 0 1] [--steps 2]
+        [--rollout vllm|hf] [--size full|cpu] [--override KEY=VALUE ...]
+        (make bench PHASE=step RECIPE=topk; RECIPE="k1 topk" GPUS="0 1": both at once, one GPU each)
 
 Builds random-weight R1-Distill-Qwen-1.5B-architecture student (seed 0) and teacher (seed 1) with
 opd_patches/embedded/r1_arch.py, runs `run.sh recipe=R` on the embedded prompts (the colocated
@@ -21,6 +22,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -72,7 +74,9 @@ def step_rows(metrics_file: Path) -> list[dict]:
 
 
 def run(recipe: str, steps: int, rollout: str, workdir: Path, overrides: list[str], timeout: int,
-        arch: str = "r1") -> dict:
+        arch: str = "r1", gpu: str | None = None) -> dict:
+    """One recipe's run through run.sh; `gpu` (an nvidia-smi index) pins it to that GPU, with a lock
+    folder of its own so that runs on other GPUs of the host do not wait for each other."""
     from opd_patches.embedded import build as embedded
     from opd_patches.embedded import r1_arch
 
@@ -95,6 +99,8 @@ def run(recipe: str, steps: int, rollout: str, workdir: Path, overrides: list[st
         "DEVICE": "gpu" if rollout == "vllm" else ("gpu-hf" if device == "cuda" else "cpu"),
         "PYTHONUNBUFFERED": "1",
     }
+    if gpu is not None:
+        env.update(CUDA_VISIBLE_DEVICES=str(gpu), OPD_LOCK_DIR=str(workdir / "lock"))
     cmd = [str(REPO / "run.sh"), f"recipe={recipe}", f"trainer.total_training_steps={steps}",
            "trainer.resume_mode=disable", "opd.preflight=cheap"]
     if rollout == "hf":
@@ -119,9 +125,10 @@ def run(recipe: str, steps: int, rollout: str, workdir: Path, overrides: list[st
     result = {
         "recipe": recipe, "rollout": rollout, "arch": arch, "steps_requested": steps, "steps_done": len(rows),
         "returncode": proc.returncode, "wall_s": round(wall, 1), "model_build_s": round(build_s, 1),
-        "steps": rows, **peak.stop(),
+        "steps": rows, **peak.stop(), "gpu": gpu,
         "overrides": cmd[2:],
     }
+    result["device_peak_gib"] = result.get(f"gpu{gpu if gpu is not None else 0}_peak_gib")
     if first_step_at is not None and rows:
         result["startup_s"] = round(first_step_at - launched - rows[0].get("timing_s/step", 0.0), 1)
     return result
@@ -141,11 +148,33 @@ def run_phase(size, args) -> dict:
 
     full = size.name == "full"
     overrides = [] if full else ["+overlay=smoke", "trainer.save_freq=-1"]
-    res = run(args.recipe, args.steps, args.rollout, args.workdir, overrides + list(args.override or []),
-              args.timeout, arch="r1" if full else "embedded")
+    overrides += list(args.override or [])
+    names, gpus = list(args.recipe), [str(g) for g in (args.gpus or [])]
+    if gpus and len(gpus) < len(names):
+        raise SystemExit(f"[bench step] --gpus {' '.join(gpus)}: one GPU per recipe ({' '.join(names)}) is needed "
+                         "to run them at the same time; name more GPUs or drop --gpus to run them in turn.")
+
+    def one(i, name):
+        workdir = args.workdir / name if gpus else args.workdir  # concurrent runs build their own models
+        return run(name, args.steps, args.rollout, workdir, overrides, args.timeout,
+                   arch="r1" if full else "embedded", gpu=gpus[i] if gpus else None)
+
+    if gpus:  # at the same time, one GPU each; launches 15 s apart, as in the run the README quotes
+        from opd_patches.embedded import build as embedded
+
+        embedded.build(REPO / ".cache" / "embedded")  # once here: the threads then find it up to date
+        with ThreadPoolExecutor(len(names)) as pool:
+            futures = []
+            for i, name in enumerate(names):
+                futures.append(pool.submit(one, i, name))
+                if i + 1 < len(names):
+                    time.sleep(15)
+            res = [f.result() for f in futures]
+    else:
+        res = [one(i, name) for i, name in enumerate(names)]
     doc = json.loads(Path(args.out).read_text()) if Path(args.out).exists() else {}
     recipes = dict(doc.get("phases", {}).get("step", {}).get("recipes", {}))
-    recipes[args.recipe] = res
+    recipes.update({name: r for name, r in zip(names, res)})
     return phase_entry(size.name, recipes)
 
 
@@ -163,7 +192,8 @@ def phase_entry(size_name: str, recipes: dict) -> dict:
                 **s,
             })
     notes = [f"{n}: {r['rollout']} rollout, {r['steps_done']}/{r['steps_requested']} steps, start-up "
-             f"{r.get('startup_s')} s, device peak {r.get('gpu0_peak_gib')} GiB" for n, r in sorted(recipes.items())]
+             f"{r.get('startup_s')} s, device peak {r.get('device_peak_gib', r.get('gpu0_peak_gib'))} GiB"
+             + (f" (GPU {r['gpu']})" if r.get("gpu") is not None else "") for n, r in sorted(recipes.items())]
     notes.append("ratio = timing_s/step (save excluded) / sum of gen, old_log_prob (teacher inside), adv, "
                  "update_actor, update_weights; peak = actor/perf/max_memory_allocated_gb")
     return {"size": size_name, "recipes": recipes, "rows": rows, "notes": notes}
