@@ -20,6 +20,21 @@ def private_run_lock(tmp_path_factory):
         yield
 
 
+def ray_env_of(run_dir, **opd):
+    """The env vars `opd_patches.main.configure_ray` hands every Ray process for these `opd.*` keys
+    (colocated teacher, one GPU); raises its ConfigError for a bad value."""
+    from omegaconf import OmegaConf
+
+    from opd_patches.main import configure_ray
+
+    config = OmegaConf.create({
+        "opd": {"teacher_placement": "colocated", **opd},
+        "ray_kwargs": {"ray_init": {}}, "trainer": {"n_gpus_per_node": 1, "nnodes": 1},
+    })
+    configure_ray(config, run_dir)
+    return config.ray_kwargs.ray_init.runtime_env.env_vars
+
+
 @pytest.fixture(scope="session")
 def embedded():
     """Paths of the tiny student, teacher, tokenizer and prompt parquet files that run.sh also uses."""

@@ -225,15 +225,11 @@ def test_recipe_key_reaches_the_workers_env(tmp_path):
     """opd.lean_topk_kernel -> OPD_LEAN_TOPK_KERNEL in Ray's runtime env; a bad value names the key."""
     from omegaconf import OmegaConf
 
-    from opd_patches.main import ConfigError, configure_ray
+    from conftest import ray_env_of
+    from opd_patches.main import ConfigError
 
     def env_of(value):
-        config = OmegaConf.create({
-            "opd": {"teacher_placement": "colocated", "lean_topk_kernel": value},
-            "ray_kwargs": {"ray_init": {}}, "trainer": {"n_gpus_per_node": 1, "nnodes": 1},
-        })
-        configure_ray(config, tmp_path)
-        return config.ray_kwargs.ray_init.runtime_env.env_vars
+        return ray_env_of(tmp_path, lean_topk_kernel=value)
 
     assert env_of("torch")[lt.KERNEL_ENV] == "torch" and env_of("triton")[lt.KERNEL_ENV] == "triton"
     assert lt.KERNEL_ENV not in env_of(None)

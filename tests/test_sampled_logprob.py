@@ -173,15 +173,11 @@ def test_recipe_key_reaches_the_workers_env(tmp_path):
     """opd.fast_logprobs -> OPD_FAST_LOGPROBS in Ray's runtime env (as opd.lean_topk -> OPD_LEAN_TOPK)."""
     from omegaconf import OmegaConf
 
-    from opd_patches.main import ConfigError, configure_ray
+    from conftest import ray_env_of
+    from opd_patches.main import ConfigError
 
     def env_of(value):
-        config = OmegaConf.create({
-            "opd": {"teacher_placement": "colocated", "fast_logprobs": value},
-            "ray_kwargs": {"ray_init": {}}, "trainer": {"n_gpus_per_node": 1, "nnodes": 1},
-        })
-        configure_ray(config, tmp_path)
-        return config.ray_kwargs.ray_init.runtime_env.env_vars
+        return ray_env_of(tmp_path, fast_logprobs=value)
 
     assert env_of(True)[sl.ENV] == "1" and env_of(False)[sl.ENV] == "0"
     assert sl.ENV not in env_of(None)
