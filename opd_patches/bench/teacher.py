@@ -54,11 +54,13 @@ def call_parts(teacher, device, repeats=3) -> dict:
     import statistics
     import time
 
+    from opd_patches.bench.measure import _sync
+
     def timed(fn):
-        torch.cuda.synchronize(device) if device.type == "cuda" else None
+        _sync(device)
         start = time.perf_counter()
         fn()
-        torch.cuda.synchronize(device) if device.type == "cuda" else None
+        _sync(device)
         return time.perf_counter() - start
 
     got = {"onload": [], "canary": [], "offload": []}
