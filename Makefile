@@ -1,4 +1,4 @@
-# make install | smoke | test | test-fast | vendor-check | validate CKPT=... | preflight STUDENT=... TEACHER=... | vendor
+# make install | smoke | smoke-gpu [PART=train|eval] | test | test-fast | vendor-check | validate CKPT=... | preflight STUDENT=... TEACHER=... | vendor
 # make checkpoints RUN=...   (a run folder's trainer states: step, complete, export validation)
 # make patch [BASE=ref] [PATCH_FILE=opd.patch] | patch-check [BASE=ref]   (the submission patch)
 # make data SRC=... [OUT=...] | data-eval EVAL_SETS=... | eval MODEL=... SUITE=math500|aime [OUT=...] | plot RUN=...   (data, evaluation)
@@ -21,7 +21,7 @@ PY := $(VENV)/bin/python
 DEPS := $(VENV)/.installed-$(PROFILE)
 endif
 
-.PHONY: install smoke test test-fast vendor-check vendor validate preflight patch patch-check data data-eval eval plot bench bench-cpu-kernels bench-logprob checkpoints study arms
+.PHONY: install smoke smoke-gpu test test-fast vendor-check vendor validate preflight patch patch-check data data-eval eval plot bench bench-cpu-kernels bench-logprob checkpoints study arms
 
 install: $(DEPS)
 	@$(PY) opd_patches/ops/patch.py record-base   # tags the commit you start from as opd-base, once
@@ -37,6 +37,12 @@ $(VENV)/.installed-%: requirements/%.txt pyproject.toml verl_vendor/pin.toml
 
 smoke: $(DEPS)
 	$(PY) -m opd_patches.smoke --timeout $(SMOKE_TIMEOUT)
+
+# Opt-in GPU smoke (opd_patches/smoke_gpu.py): vLLM rollout + colocated teacher + FSDP update, 2 steps of
+# topk at the R1-Distill-1.5B architecture (random weights), one save, the export evaluated by vLLM.
+# PART=train|eval runs one half (two 10-minute windows); SMOKE_GPU_ARGS e.g. "--recipe k1 --limit 8".
+smoke-gpu: $(DEPS)
+	$(PY) -m opd_patches.smoke_gpu $(if $(PART),--part $(PART)) $(if $(OUT),--out $(OUT)) $(SMOKE_GPU_ARGS)
 
 test: $(DEPS)
 	$(PY) -m pytest -q

@@ -1,7 +1,7 @@
 """Bench phase `step`: full training steps of a recipe at the R1-Distill-1.5B architecture.
 
-    python -m opd_patches.bench --phase step --recipe topk [k1 ...] [--gpus 0 1] [--steps 2]
-        [--rollout vllm|hf] [--size full|cpu] [--override KEY=VALUE ...]
+    python -m opd_patches.bench --phase step --recipe topk [k1 ...] [--gpus 0 1] [--steps 3]
+        [--save-after 1] [--rollout vllm|hf] [--size full|cpu] [--override KEY=VALUE ...]
         (make bench PHASE=step RECIPE=topk; RECIPE="k1 topk" GPUS="0 1": both at once, one GPU each)
 
 Builds random-weight R1-Distill-Qwen-1.5B-architecture student (seed 0) and teacher (seed 1) with
@@ -9,7 +9,10 @@ opd_patches/embedded/r1_arch.py, runs `run.sh recipe=R` on the embedded prompts 
 teacher by default; extra Hydra overrides with --override), and reports per step VERL's `timing_s/*`
 phases, response lengths and the actor's peak memory (from `<run>/metrics.jsonl`), the device's peak
 memory over the whole run (nvidia-smi, sampled every 0.5 s: vLLM's KV cache included), and start-up
-time (launch to the end of step 1, minus step 1). With `--rollout hf` responses are capped at 512
+time (launch to the end of step 1, minus step 1). One save, after step `--save-after` (default 1; 0: none)
+and not at the end, so that the save's stall on training shows in a step that another follows
+(`timing_s/save_checkpoint`: what the trainer waited; the state's export, validation and hashing run in
+the background) while the host's disk holds one 1.5B state only. With `--rollout hf` responses are capped at 512
 tokens (HF decoding is ~25x slower than vLLM). `--size cpu` runs the tiny embedded models instead
 (a check of this phase on a CPU). Results merge into the bench JSON's `step` phase, per recipe.
 """
@@ -147,7 +150,11 @@ def run_phase(size, args) -> dict:
     from opd_patches.bench import results
 
     full = size.name == "full"
-    overrides = [] if full else ["+overlay=smoke", "trainer.save_freq=-1"]
+    overrides = [] if full else ["+overlay=smoke"]
+    if args.save_after:  # save_freq=1 for upstream's loop; the debug key keeps only this step's save
+        overrides += ["trainer.save_freq=1", f"opd.debug.save_steps=[{args.save_after}]"]
+    else:
+        overrides.append("trainer.save_freq=-1")
     overrides += list(args.override or [])
     names, gpus = list(args.recipe), [str(g) for g in (args.gpus or [])]
     if gpus and len(gpus) < len(names):
