@@ -4,7 +4,8 @@ Importing this package registers (idempotently):
 - the `cpu` platform (`PlatformRegistry`, selected by `VERL_PLATFORM=cpu`);
 - the `hf` rollout backend (`RolloutReplicaRegistry` and the `("hf", "async")` rollout class);
 - the distillation loss `forward_kl_topk_tail` (`register_distillation_loss`);
-- the run-time patches of `backends.upstream_patches`.
+- the run-time patches of `backends.upstream_patches`;
+- the attention implementation `torch_varlen` (transformers' `AttentionInterface`, `backends.torch_varlen`).
 
 Every VERL process imports it through `VERL_USE_EXTERNAL_MODULES=opd_patches` (run.sh sets the
 variable and passes it to Ray workers); it fails loudly if the installed VERL is not the pinned one.
@@ -33,10 +34,11 @@ def register():
     from verl.workers.rollout import base as rollout_base
     from verl.workers.rollout.replica import RolloutReplicaRegistry
 
-    from opd_patches.backends import cpu_platform, upstream_patches  # noqa: F401  (registers "cpu")
+    from opd_patches.backends import cpu_platform, torch_varlen, upstream_patches  # noqa: F401  (registers "cpu")
     from opd_patches.losses import forward_kl_topk_tail  # noqa: F401  (registers the loss)
 
     upstream_patches.apply()
+    torch_varlen.register()  # attention "torch_varlen" in transformers' registries (packed inputs, no flash-attn)
 
     def _load_hf_replica():
         from opd_patches.backends.hf_rollout import HFReplica
