@@ -32,6 +32,7 @@ $(VENV)/.installed-%: requirements/%.txt pyproject.toml verl_vendor/pin.toml
 	$(PY) -m pip install -q -r requirements/$*.txt
 	$(PY) -m pip install -q --no-deps -e .
 	$(PY) verl_vendor/vendor.py check
+	@$(PY) opd_patches/ops/patch.py record-base   # also when smoke/test/... install implicitly: make patch needs it
 	@rm -f $(VENV)/.installed-*
 	@touch $@
 
