@@ -4,7 +4,7 @@
 
 (run.sh is the usual way in.) Between Hydra and VERL's own V1 trainer it only: takes the one-run
 lock and checks that no other process holds the assigned GPUs (opd_patches/ops/lock.py; exit 75 when
-refused, `opd.force=true` skips both), resolves the project's `opd.*` keys (teacher placement), checks model and data paths, loss settings and
+refused, `opd.force=true` skips both), resolves the project's `opd.*` keys (teacher placement, attention), checks model and data paths, loss settings and
 student/teacher vocabularies, writes `manifest.json` into the run folder, routes metrics to
 `metrics.jsonl` there, and makes every Ray process import opd_patches. Training itself is
 upstream's `TaskRunnerV1` (with the colocated teacher: the registered trainer mode
@@ -146,6 +146,32 @@ def apply_placement(config: DictConfig) -> None:
         config.distillation.n_gpus_per_node = int(config.trainer.n_gpus_per_node)
 
 
+def apply_attention(config: DictConfig) -> None:
+    """`opd.attn_implementation` -> upstream's `actor_rollout_ref.model.override_config.attn_implementation`
+    (the student's update and log-prob passes; the colocated teacher reads the same key). auto:
+    flash_attention_2 where flash-attn is installed, else torch_varlen on CUDA, else sdpa."""
+    from opd_patches.backends import torch_varlen
+
+    choice = config.opd.get("attn_implementation", "auto")
+    try:
+        attn = torch_varlen.resolve(choice, str(config.trainer.device))
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
+    key = "actor_rollout_ref.model.override_config.attn_implementation"
+    upstream = OmegaConf.select(config, key, default=None)
+    if upstream is not None and upstream != attn:  # one key decides, never silently overridden
+        raise ConfigError(f"{key}={upstream} but opd.attn_implementation={choice} resolves to {attn}: "
+                          f"set opd.attn_implementation={upstream} instead.")
+    if attn == torch_varlen.NAME:
+        for sp in ("actor_rollout_ref.actor.ulysses_sequence_parallel_size",
+                   "actor_rollout_ref.actor.fsdp_config.ulysses_sequence_parallel_size"):
+            if int(OmegaConf.select(config, sp, default=1) or 1) > 1:
+                raise ConfigError(f"opd.attn_implementation={attn}: VERL's Ulysses sequence parallelism ({sp} > 1) "
+                                  "runs only through flash_attention_2.")
+    with open_dict(config):
+        config.actor_rollout_ref.model.override_config.attn_implementation = attn
+
+
 def configure_ray(config: DictConfig, run_dir: Path) -> None:
     """Environment for every Ray process; logical GPUs on the CPU platform."""
     modules = ["opd_patches"]
@@ -207,6 +233,7 @@ SUMMARY_KEYS = (
     "data.train_batch_size",
     "actor_rollout_ref.rollout.n",
     "actor_rollout_ref.rollout.name",
+    "actor_rollout_ref.model.override_config.attn_implementation",
     "actor_rollout_ref.rollout.temperature",
     "data.max_response_length",
     "data.shuffle",
@@ -234,6 +261,7 @@ def prepare(config: DictConfig) -> Path:
     if "opd" not in config:
         raise ConfigError("The config has no `opd` section: start from a recipe in recipes/ (see recipes/README.md).")
     apply_placement(config)
+    apply_attention(config)
     check_paths(config)
     check_distillation(config)
     run_dir = Path(os.path.expanduser(config.trainer.default_local_dir)).resolve()
