@@ -17,16 +17,13 @@ same resume point), not bit-identical to vLLM.
 from __future__ import annotations
 
 import hashlib
+import importlib.util
+import sys
 import time
-from dataclasses import dataclass
 
+from opd_patches.eval.completion import Completion
 
-@dataclass(frozen=True)
-class Completion:
-    text: str
-    n_tokens: int
-    finish_reason: str  # "stop" | "length"
-
+__all__ = ["Completion", "HFBackend", "make_backend", "sample_seed", "vllm_available"]
 
 def sample_seed(seed: int, question_id: str, sample: int) -> int:
     digest = hashlib.sha256(f"{seed}:{question_id}:{sample}".encode()).digest()
@@ -34,13 +31,19 @@ def sample_seed(seed: int, question_id: str, sample: int) -> int:
 
 
 def vllm_available() -> bool:
-    """vLLM importable and a CUDA device to run it on."""
+    """vLLM installed and a GPU visible, found without a CUDA call in this process.
+
+    Not `torch.cuda.is_available()`: it calls cudaGetDeviceCount, which marks the process so that a
+    forked child fails with "Cannot re-initialize CUDA in forked subprocess" (vLLM's engine process,
+    issue 13); `torch.cuda.device_count()` asks NVML and leaves the process clean (torch's docs).
+    """
     try:
+        if "vllm" not in sys.modules and importlib.util.find_spec("vllm") is None:
+            return False
         import torch
-        import vllm  # noqa: F401
-    except Exception:  # noqa: BLE001  (a broken CUDA install raises more than ImportError)
+    except Exception:  # noqa: BLE001  (a broken install raises more than ImportError)
         return False
-    return torch.cuda.is_available()
+    return torch.cuda.device_count() > 0
 
 
 def make_backend(name: str, model: str, max_model_len: int, batch_size: int | None = None, seed: int = 0):

@@ -11,20 +11,32 @@ BOS), as in VERL's vLLM rollout. `tensor_parallel_size` is `$OPD_EVAL_TP` (defau
 With `--verifier`, the judge's engine starts after the evaluated model's is deleted, but vLLM does not
 always hand all GPU memory back within one process: set `OPD_EVAL_GPU_MEM=0.45` so that both fit.
 
-Not exercised by the CPU test suite (no vLLM there); kept small on purpose.
+Start method: vLLM runs its engine core in a child process, forked unless
+`VLLM_WORKER_MULTIPROC_METHOD=spawn`, and forces spawn itself only when `torch.cuda.is_initialized()`.
+A process that merely called `torch.cuda.is_available()` (cudaGetDeviceCount) is not "initialized" but
+its forked children cannot use CUDA: the engine died with "Cannot re-initialize CUDA in forked
+subprocess" (issue 13). So the backend sets `VLLM_WORKER_MULTIPROC_METHOD=spawn` before vLLM is
+imported, unless the user set the variable; spawn re-imports the main module in the child, so a
+script that builds this backend needs the `if __name__ == "__main__":` guard (`python -m
+opd_patches.eval` has it). The evaluation process itself makes no CUDA call before the engine starts
+(`backends.vllm_available` asks NVML); tests/test_eval_vllm_start.py checks both on CPU with a
+stand-in `vllm` module. Otherwise not exercised by the CPU test suite (no vLLM there).
 """
 
 from __future__ import annotations
 
 import os
 
-from opd_patches.eval.backends import Completion
+from opd_patches.eval.completion import Completion
+
+START_METHOD_VAR = "VLLM_WORKER_MULTIPROC_METHOD"
 
 
 class VLLMBackend:
     name = "vllm"
 
     def __init__(self, model: str, max_model_len: int, batch_size: int | None = None, seed: int = 0):
+        os.environ.setdefault(START_METHOD_VAR, "spawn")  # before vLLM reads its env: see the docstring
         from vllm import LLM, SamplingParams
 
         self.SamplingParams = SamplingParams
