@@ -4,6 +4,7 @@
 # make data SRC=... [OUT=...] | data-eval EVAL_SETS=... | eval MODEL=... SUITE=math500|aime [OUT=...] | plot RUN=...   (data, evaluation)
 # make bench [PHASE=kernels|teacher|step|layout] [SIZE=full|cpu] [OUT=bench.json] | bench-cpu-kernels | bench-logprob   (performance)
 # make study SPEC=recipes/studies/....yaml [OUT=...] [STUDY_ARGS=...] | arms CONTROL=k1 TREATMENT=topk   (studies)
+# make wheelhouse PROFILE=gpu|cpu [DIR=...] [TORCH_FROM=...] | install WHEELHOUSE=DIR   (installs without network)
 # PROFILE=cpu|gpu picks the dependency set (default: gpu when nvidia-smi sees a GPU).
 # PREPARED=1 uses the python3 already on PATH and installs nothing (e.g. an offline GPU host
 # where the packages were staged beforehand).
@@ -27,14 +28,25 @@ install: $(DEPS)
 	@$(PY) opd_patches/ops/patch.py record-base   # tags the commit you start from as opd-base, once
 
 $(VENV)/.installed-%: requirements/%.txt pyproject.toml verl_vendor/pin.toml
+ifeq ($(WHEELHOUSE),)
 	@test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -r requirements/$*.txt
 	$(PY) -m pip install -q --no-deps -e .
 	$(PY) verl_vendor/vendor.py check
+else
+	python3 opd_patches/ops/wheelhouse.py install --profile $* --dir $(WHEELHOUSE) --venv $(VENV)
+endif
 	@$(PY) opd_patches/ops/patch.py record-base   # also when smoke/test/... install implicitly: make patch needs it
 	@rm -f $(VENV)/.installed-*
 	@touch $@
+
+# Every wheel of a profile for its target (gpu: Linux x86_64 glibc >= 2.35, CPython 3.12; cpu: this
+# machine), resolved at requirements/uv.toml's date, sdist-only pure-Python packages built into wheels.
+# Copy DIR to the offline host, then `make install WHEELHOUSE=DIR` there (opd_patches/ops/wheelhouse.py).
+.PHONY: wheelhouse
+wheelhouse:
+	python3 opd_patches/ops/wheelhouse.py build --profile $(PROFILE) --dir $(or $(DIR),.cache/wheelhouse-$(PROFILE))$(if $(TORCH_FROM), --torch-from $(TORCH_FROM))
 
 smoke: $(DEPS)
 	$(PY) -m opd_patches.smoke --timeout $(SMOKE_TIMEOUT)
