@@ -1,5 +1,5 @@
 # make install | smoke | smoke-gpu [PART=train|eval] | test | test-fast | vendor-check | validate CKPT=... | preflight STUDENT=... TEACHER=... | vendor
-# make checkpoints RUN=...   (a run folder's trainer states: step, complete, export validation)
+# make checkpoints RUN=... [VERIFY=1]   (a run folder's trainer states: step, complete, export validation)
 # make patch [BASE=ref] [PATCH_FILE=opd.patch] | patch-check [BASE=ref]   (the submission patch)
 # make data SRC=... [OUT=...] | data-eval EVAL_SETS=... | eval MODEL=... SUITE=math500|aime [OUT=...] | plot RUN=...   (data, evaluation)
 # make bench [PHASE=kernels|teacher|step|layout] [SIZE=full|cpu] [OUT=bench.json] | bench-cpu-kernels | bench-logprob   (performance)
@@ -76,9 +76,10 @@ validate: $(DEPS)
 	$(PY) -m opd_patches.validate $(CKPT) $(VALIDATE_ARGS)
 
 # The trainer states of a run folder: step, complete (receipt), export validation (opd_patches/ops/checkpoints.py).
+# VERIFY=1: also re-hash every file against its receipt's sha256 (reads every state whole), as a resume does.
 checkpoints: $(DEPS)
-	@test -n "$(RUN)" || { echo "usage: make checkpoints RUN=<run folder>"; exit 2; }
-	$(PY) -m opd_patches.ops.checkpoints list $(RUN)
+	@test -n "$(RUN)" || { echo "usage: make checkpoints RUN=<run folder> [VERIFY=1]"; exit 2; }
+	$(PY) -m opd_patches.ops.checkpoints list $(RUN)$(if $(filter 1,$(VERIFY)), --verify)
 
 # Student/teacher compatibility report: vocabulary, chat template, step-0 overlap statistics.
 # Exit status 2 on a mismatch. DATA (a VERL parquet) gives real prompts; PREFLIGHT_ARGS for more flags.

@@ -41,6 +41,19 @@ def test_stops_when_next_step_and_save_do_not_fit():
     assert w.should_stop(pending_save=True)[0] is True  # this step's own save first: 22.5 + 7.5 > 25
 
 
+
+def test_background_finish_in_flight_counts():
+    w, t = clock(wall=100, reserve=10, margin=1.0)  # deadline: 90 s after launch
+    w.record_step(10)
+    w.record_save(4 + 20)  # a whole save: 4 s waited + 20 s finishing in the background
+    t.t += 50  # 40 s left; the next step and its (final, waited-for) save need 10 + 24 = 34
+    assert w.should_stop()[0] is False
+    # A finish still running, 5 s old: 19 s of it are left and the final save waits for it -> 53 > 40.
+    stop, why = w.should_stop(in_flight_s=5)
+    assert stop and "need ~53 s" in why
+    assert w.should_stop(in_flight_s=24)[0] is False  # about done: nothing left of it counts
+
+
 def test_clock_running_out_mid_step_stops_right_after_it():
     w, t = clock(wall=30, reserve=0)
     t.t += 5

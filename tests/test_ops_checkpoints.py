@@ -140,3 +140,66 @@ def test_run_summary_names_the_newest_complete_state(tmp_path):
     assert summary.read(tmp_path) == s
     assert (s["status"], s["steps_done"], s["last_complete_step"]) == ("wall_clock", 6, 5)
     assert "wall_clock after step 6" in summary.line(s)
+
+
+def flip_one_byte(path):
+    """One byte changed in the middle of the file; the size stays the same."""
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_flipped_byte_in_newest_state_is_never_resumed_from(tmp_path, capsys):
+    for step in (1, 2, 3):
+        make_state(tmp_path, step)
+    shard = "actor/model_world_size_1_rank_0.pt"
+    flip_one_byte(tmp_path / "global_step_3" / shard)
+    assert checkpoints.list_states(tmp_path)[-1]["complete"] is True  # sizes match: a plain listing cannot see it
+    verified = checkpoints.list_states(tmp_path, verify=True)
+    assert [(s["step"], s["complete"]) for s in verified] == [(1, True), (2, True), (3, False)]
+    assert verified[-1]["reason"] == f"sha256 differs from receipt: {shard}"
+    assert checkpoints.main(["list", str(tmp_path), "--verify"]) == 0  # make checkpoints RUN=... VERIFY=1
+    row = [line for line in capsys.readouterr().out.splitlines() if line.split()[:1] == ["3"]][0]
+    assert "NO" in row and shard in row
+    logged = []
+    assert checkpoints.resume_point(tmp_path, log=lambda msg, **_: logged.append(msg)) == tmp_path / "global_step_2"
+    assert len(logged) == 1 and "global_step_3" in logged[0] and shard in logged[0]
+    # The rejected receipt is set aside: every later listing (and pruning) sees an incomplete folder, naming the file.
+    state = checkpoints.list_states(tmp_path)[-1]
+    assert state["complete"] is False and shard in state["reason"] and state["reason"].startswith("receipt rejected")
+    assert checkpoints.discard_after(tmp_path, 2) == [3]
+    # Every complete state damaged: nothing to resume from.
+    flip_one_byte(tmp_path / "global_step_1" / "data.pt")
+    flip_one_byte(tmp_path / "global_step_2" / "data.pt")
+    assert checkpoints.resume_point(tmp_path, log=lambda *a, **k: None) is None
+
+
+def test_makefile_passes_verify():
+    out = subprocess.run(["make", "-n", "checkpoints", "RUN=/x", "VERIFY=1"], capture_output=True, text=True, cwd=REPO)
+    assert out.returncode == 0 and "checkpoints list /x --verify" in out.stdout, out.stdout + out.stderr
+    out = subprocess.run(["make", "-n", "checkpoints", "RUN=/x"], capture_output=True, text=True, cwd=REPO)
+    assert "--verify" not in out.stdout
+
+
+def test_failed_validation_never_counts_as_kept(tmp_path):
+    make_state(tmp_path, 1)
+    make_state(tmp_path, 2)
+    make_state(tmp_path, 3, validated=False)
+    make_state(tmp_path, 4, validated=False)
+    # keep=2 counts validated states only (1, 2); the newest complete state (4) stays as the resume point.
+    assert checkpoints.prune(tmp_path, keep=2) == [3]
+    assert steps(tmp_path) == [1, 2, 4]
+    # keep=1: the last validated state (2) is never removed for an unvalidated newer one.
+    assert checkpoints.prune(tmp_path, keep=1) == [1]
+    assert steps(tmp_path) == [2, 4]
+    assert checkpoints.newest_complete(tmp_path).name == "global_step_4"
+    assert checkpoints.newest_validated(tmp_path).name == "global_step_2"
+    s = summary.write(tmp_path, "finished", 4, "done")
+    assert (s["last_complete_step"], s["last_validated_step"]) == (4, 2)
+    assert "newest validated state: 2 (resume point: 4)" in summary.line(s)
+    # Not validated at all (opd.validate_after_save=false): only the newest complete state is kept.
+    other = tmp_path / "other"
+    for step in (1, 2):
+        d = make_state(other, step, complete=False)
+        receipts.write(d, step, None)
+    assert checkpoints.prune(other, keep=3) == [1]

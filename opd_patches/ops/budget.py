@@ -8,8 +8,10 @@ the reserve is left for whatever runs after the trainer (e.g. evaluation of the 
 After every step the trainer asks `should_stop()`: stop now when
     now + margin * (next step + its save) > deadline,
 with `next step` the largest of the last few measured step times (rollout, update, weight sync; the
-save excluded) and `its save` the largest measured save time (upstream save + receipt + export
-validation); before any save was measured the step time stands in for it. Stopping "now" means the
+save excluded) and `its save` the largest measured whole save: what the trainer waited plus, with
+background saves (finish.py), the export validation, hashing and receipt that ran beside training,
+because the last save waits for all of it; before any save was measured the step time stands in for
+it. A background finish still running adds what is left of it (its expected length minus its age). Stopping "now" means the
 step just finished is saved (if the regular schedule did not save it) and the loop ends: the last
 steps are never lost to the clock. When a step overruns the deadline (the clock ran out mid-step),
 the same rule stops right after it; the reserve absorbs that step's save.
@@ -53,6 +55,7 @@ class WallClock:
         self.steps.append(float(seconds))
 
     def record_save(self, seconds: float) -> None:
+        """A whole save: the trainer's wait plus its background finish (the final save waits for both)."""
         self.saves.append(float(seconds))
 
     def predicted(self) -> float:
@@ -61,13 +64,17 @@ class WallClock:
         save = max(self.saves) if self.saves else step
         return self.margin * (step + save)
 
-    def should_stop(self, pending_save: bool = False) -> tuple[bool, str]:
-        """(stop, why): checked after a finished step; pending_save: the schedule saves this step first."""
+    def should_stop(self, pending_save: bool = False, in_flight_s: float | None = None) -> tuple[bool, str]:
+        """(stop, why): checked after a finished step; pending_save: the schedule saves this step first;
+        in_flight_s: age of a background finish still running (None: none)."""
         if not self.enabled:
             return False, ""
         left, need = self.remaining(), self.predicted()
+        one_save = max(self.saves) if self.saves else max(self.steps, default=0.0)
         if pending_save:
-            need += self.margin * (max(self.saves) if self.saves else max(self.steps, default=0.0))
+            need += self.margin * one_save
+        if in_flight_s is not None:
+            need += self.margin * max(0.0, one_save - in_flight_s)
         if left < need:
             over = " (the deadline has passed)" if left < 0 else ""
             return True, (

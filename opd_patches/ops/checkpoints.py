@@ -1,19 +1,24 @@
 """The trainer states of a run folder: listing, the newest complete one, pruning.
 
-    python -m opd_patches.ops.checkpoints list RUN_DIR [--json]
+    python -m opd_patches.ops.checkpoints list RUN_DIR [--json] [--verify]
     python -m opd_patches.ops.checkpoints prune RUN_DIR --keep N [--dry-run]
 
-A state is upstream's `<run>/global_step_N/` folder; it is *complete* only when its receipt
-(receipts.py) proves it. Everything here reads the disk, never a process's memory, so states left
-by an earlier process (before a crash or a restart) are listed and pruned like this process's own.
+A state is upstream's `<run>/global_step_N/` folder; *complete* and *validated* are defined in
+receipts.py. Everything here reads the disk, never a process's memory, so states left by an earlier
+process (before a crash or a restart) are listed and pruned like this process's own.
 
-Pruning rules (`plan_prune`), in this order:
-- keep the newest `keep` complete states (always at least the newest complete one);
-- never remove a complete state whose successor folder is incomplete and newer than every complete
-  state (a save that may still be in progress, or that may never complete);
-- incomplete folders older than the newest complete state are debris of an interrupted save and
-  are removed; incomplete folders newer than it are left alone (a save may be in progress);
-  `discard_after` removes them when a resume starts from an older state (they would be overwritten).
+Pruning rules (`plan_prune`):
+- keep the newest `keep` *validated* states: a state whose export failed validation (or was not
+  validated) never counts, so it never displaces the last validated one;
+- keep the newest complete state (the resume point), validated or not;
+- remove every other complete state; incomplete folders older than the newest complete state are
+  debris of an interrupted save and are removed; incomplete folders newer than it are left alone (a
+  save, or its background finish, may be in progress); `discard_after` removes them when a resume
+  starts from an older state (they would be overwritten).
+With `opd.validate_after_save=false` nothing is validated, so only the newest complete state is kept.
+
+Resume (`resume_point`) re-hashes the newest complete state against its receipt and falls back to
+the next older complete state when a file differs (the rejected receipt is set aside, naming the file).
 """
 
 import argparse
@@ -36,15 +41,18 @@ def _step_dirs(run_dir: Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
-def list_states(run_dir: Path) -> list[dict]:
+def list_states(run_dir: Path, verify: bool = False) -> list[dict]:
     """Every global_step_N folder, oldest first: {step, path, complete, validated, reason}.
 
-    validated: the receipt's validation result (True/False), None when incomplete or not validated.
-    reason: why an incomplete state is incomplete (None when complete).
+    validated: the receipt's validation result (True/False), None when incomplete or not validated;
+    a state is *validated* only when it is True. reason: why an incomplete state is incomplete (None
+    when complete). verify: also re-hash each complete state's files (slow; reads everything).
     """
     states = []
     for step, path in _step_dirs(run_dir):
         why = receipts.problem(path, step)
+        if why is None and verify:
+            why = _hash_problem(path)
         validated = None
         if why is None:
             ok = (receipts.read(path, step).get("validation") or {}).get("ok")
@@ -53,10 +61,37 @@ def list_states(run_dir: Path) -> list[dict]:
     return states
 
 
+def _hash_problem(path: Path) -> str | None:
+    bad = receipts.verify(path)
+    return f"sha256 differs from receipt: {', '.join(bad)}" if bad else None
+
+
 def newest_complete(run_dir: Path) -> Path | None:
     """The folder of the newest complete state, or None."""
     complete = [s for s in list_states(run_dir) if s["complete"]]
     return complete[-1]["path"] if complete else None
+
+
+def newest_validated(run_dir: Path) -> Path | None:
+    """The folder of the newest validated state (the run's result), or None."""
+    validated = [s for s in list_states(run_dir) if s["complete"] and s["validated"] is True]
+    return validated[-1]["path"] if validated else None
+
+
+def resume_point(run_dir: Path, log=print) -> Path | None:
+    """The newest complete state whose files match their receipt's sha256, checked newest first.
+
+    A state whose file differs gets its receipt set aside (receipts.reject: it becomes incomplete,
+    the listing names the file) and the next older complete state is tried. Each state is hashed
+    at most once per call, and only until one matches.
+    """
+    for s in reversed([s for s in list_states(run_dir) if s["complete"]]):
+        why = _hash_problem(s["path"])
+        if why is None:
+            return s["path"]
+        receipts.reject(s["path"], why)
+        log(f"[opd] resume: {s['path']} is not resumed from: {why}; trying the next older complete state", flush=True)
+    return None
 
 
 def plan_prune(states: list[dict], keep: int) -> list[dict]:
@@ -65,20 +100,11 @@ def plan_prune(states: list[dict], keep: int) -> list[dict]:
     complete = [s for s in states if s["complete"]]
     if not complete:
         return []
-    kept = {s["step"] for s in complete[-keep:]}
+    validated = [s for s in complete if s["validated"] is True]
     newest = complete[-1]["step"]
-    remove = []
-    for i, s in enumerate(states):
-        if s["complete"]:
-            successor = states[i + 1] if i + 1 < len(states) else None
-            # A successor still being written (incomplete, newer than every complete state) may never
-            # complete: its complete predecessor stays. Older incomplete folders are debris (removed below).
-            pending = successor is not None and not successor["complete"] and successor["step"] > newest
-            if s["step"] not in kept and not pending:
-                remove.append(s)
-        elif s["step"] < newest:
-            remove.append(s)
-    return remove
+    kept = {s["step"] for s in validated[-keep:]} | {newest}
+    # Incomplete folders newer than the newest complete state may still be finishing: left alone.
+    return [s for s in states if s["step"] not in kept and (s["complete"] or s["step"] < newest)]
 
 
 def prune(run_dir: Path, keep: int, dry_run: bool = False) -> list[int]:
@@ -118,7 +144,8 @@ def main(argv=None) -> int:
     ls = sub.add_parser("list", help="every global_step_N folder with completeness and validation")
     ls.add_argument("run_dir", type=Path)
     ls.add_argument("--json", action="store_true")
-    pr = sub.add_parser("prune", help="keep the newest N complete states (the trainer does this after each save)")
+    ls.add_argument("--verify", action="store_true", help="also re-hash every file against its receipt's sha256 (slow)")
+    pr = sub.add_parser("prune", help="keep the newest N validated states and the newest complete one (as after each save)")
     pr.add_argument("run_dir", type=Path)
     pr.add_argument("--keep", type=int, required=True)
     pr.add_argument("--dry-run", action="store_true")
@@ -127,7 +154,7 @@ def main(argv=None) -> int:
         print(f"{args.run_dir}: no such run folder", file=sys.stderr)
         return 2
     if args.cmd == "list":
-        states = list_states(args.run_dir)
+        states = list_states(args.run_dir, verify=args.verify)
         if args.json:
             print(json.dumps([{**s, "path": str(s["path"])} for s in states], indent=1))
         else:

@@ -8,9 +8,20 @@ Schema (shared contract, see README "Checkpoints, receipts, resume"):
      "written_at": ISO-8601 UTC}
 
 The receipt is written last, atomically (a temporary file in the same folder, fsync, os.replace):
-a state folder either has a whole receipt or none. A receipt that does not parse, names another
-step or lists a file whose size differs from the disk is treated as absent (`read` returns None and
-`problem` says why); sha256 is recorded for audits (`verify`), not re-hashed on every listing.
+a state folder either has a whole receipt or none. With background saves (opd_patches/ops/finish.py)
+it is written by the finishing process after the export validation and the hashing have ended;
+`receipt.json.pending` marks that window.
+
+Definitions (the one place; README "Wall clock, checkpoints, resume" repeats them):
+- *complete*: the receipt is written and matches the disk: it parses, names the folder's step and
+  every file it lists exists with the recorded size (`problem` is None). A listing checks sizes only;
+  a resume, and `make checkpoints VERIFY=1`, also re-hash every file against its sha256 (`verify`).
+  Resume may start from any complete state.
+- *validated*: complete and the receipt records a passed export validation (`validation.ok` is True,
+  `is_validated`). Kept states (`trainer.max_actor_ckpt_to_keep`) and a run's reported result count
+  validated states only.
+A receipt set aside because a file's sha256 differed (`reject`) becomes `receipt.json.rejected`:
+the state is then incomplete and `problem` names the file.
 """
 
 import datetime as _dt
@@ -20,6 +31,8 @@ import os
 from pathlib import Path
 
 NAME = "receipt.json"
+PENDING = NAME + ".pending"  # written when a background finish starts (pid, started_at)
+REJECTED = NAME + ".rejected"  # a receipt whose files did not match their sha256 (reject)
 HF_EXPORT = "actor/huggingface"
 _CHUNK = 1 << 22
 
@@ -89,7 +102,7 @@ def problem(state_dir: Path, step: int | None = None) -> str | None:
     """Why the state folder's receipt does not prove completeness; None when it does."""
     path = Path(state_dir) / NAME
     if not path.exists():
-        return "no receipt"
+        return _absent_why(Path(state_dir))
     try:
         receipt = json.loads(path.read_text())
     except (OSError, ValueError) as exc:
@@ -107,6 +120,24 @@ def problem(state_dir: Path, step: int | None = None) -> str | None:
     return None
 
 
+def _absent_why(state_dir: Path) -> str:
+    """Why there is no receipt: set aside by a resume, a background finish never ended, or plain absent."""
+    for name in (REJECTED, PENDING):
+        try:
+            info = json.loads((state_dir / name).read_text())
+        except (OSError, ValueError):
+            continue
+        if name == REJECTED:
+            return f"receipt rejected: {info.get('rejected')}"
+        return f"no receipt: background finish in progress or interrupted (pid {info.get('pid')}, started {info.get('started_at')})"
+    return "no receipt"
+
+
+def is_validated(receipt: dict | None) -> bool:
+    """Validated = complete (a receipt `read` returned) and its export validation passed."""
+    return receipt is not None and (receipt.get("validation") or {}).get("ok") is True
+
+
 def read(state_dir: Path, step: int | None = None) -> dict | None:
     """The receipt when it proves the state complete, else None."""
     if problem(state_dir, step) is not None:
@@ -119,4 +150,15 @@ def verify(state_dir: Path) -> list[str]:
     receipt = read(state_dir)
     if receipt is None:
         return ["<no valid receipt>"]
-    return [rel for rel, meta in receipt["files"].items() if sha256(Path(state_dir) / rel) != meta["sha256"]]
+    return [rel for rel, meta in receipt["files"].items() if sha256(Path(state_dir) / rel) != meta.get("sha256")]
+
+
+def reject(state_dir: Path, reason: str) -> None:
+    """Set a receipt aside (`receipt.json.rejected`, with the reason): the state becomes incomplete."""
+    state_dir = Path(state_dir)
+    try:
+        old = json.loads((state_dir / NAME).read_text())
+    except (OSError, ValueError):
+        old = {}
+    atomic_write_json(state_dir / REJECTED, {**(old if isinstance(old, dict) else {}), "rejected": reason})
+    (state_dir / NAME).unlink(missing_ok=True)

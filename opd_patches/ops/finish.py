@@ -1,0 +1,153 @@
+"""The part of a save after upstream has written the state: validate the HF export, hash, receipt, prune.
+
+    python -m opd_patches.ops.finish finish --state RUN/global_step_N --step N [--validate]
+        [--expected-params P] [--timeout-s T] [--keep K] [--result OUT.json] [--parent-pid PID]
+
+With `opd.background_save: true` (recipes/base.yaml) the trainer starts this as a subprocess right
+after upstream's save and trains on; otherwise it calls `finish()` in-process. Either way the order
+is the same: export validation (`opd_patches.validate` in a CPU-only child process), the sha256 of
+every file, the receipt written last (receipts.py: only now is the state complete), then pruning
+(checkpoints.py; only here, over completed states, one finish at a time).
+
+A background finish dies with the trainer (`--parent-pid`: Linux parent-death signal, and an exit
+when that parent is already gone), and its validator dies with it: a SIGKILL of the training leaves
+the state without a receipt (incomplete, never resumed from), never a receipt written later by an
+orphan. `receipt.json.pending` marks the window for listings and tests.
+"""
+
+import argparse
+import ctypes
+import datetime as _dt
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from opd_patches.ops import checkpoints, receipts
+
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent(parent_pid: int | None) -> None:
+    """Get SIGKILL when the parent dies (Linux); exit at once if it already has (re-parented)."""
+    if not parent_pid:
+        return
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):  # not Linux: the ppid check below still covers a dead parent at start
+        pass
+    if os.getppid() != parent_pid:
+        os._exit(1)
+
+
+def validate_export(export: Path, expected_params: int | None, timeout_s: float) -> dict:
+    """opd_patches.validate in a CPU-only child (never contends with training memory) -> receipt's `validation`."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "validation.json"
+        cmd = [sys.executable, "-m", "opd_patches.ops.finish", "validate", "--parent-pid", str(os.getpid()),
+               str(export), "--json", str(out)]
+        if expected_params:
+            cmd += ["--expected-params", str(expected_params)]
+        env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "TOKENIZERS_PARALLELISM": "false"}
+        try:
+            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            return {"ok": False, "checks": {}, "error": f"validation timed out after {timeout_s:g} s"}
+        if not out.exists():
+            tail = (proc.stderr or proc.stdout or "").strip().splitlines()[-3:]
+            return {"ok": False, "checks": {}, "error": f"validator exit {proc.returncode}: {' | '.join(tail)}"}
+        result = json.loads(out.read_text())
+    return {"ok": bool(result["valid"]), "checks": result.get("checks", {}), "error": result.get("reason"),
+            "parameters": result.get("parameters"), "stored_dtype": result.get("stored_dtype")}
+
+
+def finish(state: Path, step: int, validate: bool = True, expected_params: int | None = None,
+           timeout_s: float = 1800, keep: int | None = None) -> dict:
+    """Validate, hash, write the receipt, prune; returns what happened with the seconds each part took."""
+    state = Path(state)
+    t0 = time.monotonic()
+    validation = validate_export(state / receipts.HF_EXPORT, expected_params, timeout_s) if validate else None
+    t1 = time.monotonic()
+    files = receipts.inventory(state)
+    t2 = time.monotonic()
+    try:
+        receipts.write(state, step, validation, files=files)
+    except OSError as exc:
+        raise OSError(exc.errno, f"writing the receipt of {state} failed ({exc.strerror or exc}); the state stays "
+                      "incomplete and the previous complete states are intact. Free disk space and relaunch "
+                      "to resume.") from exc
+    (state / receipts.PENDING).unlink(missing_ok=True)
+    removed = checkpoints.prune(state.parent, keep) if keep else []
+    return {"step": int(step), "validation": validation, "pruned": removed, "validate_s": t1 - t0,
+            "hash_s": t2 - t1, "seconds": time.monotonic() - t0}
+
+
+def launch(state: Path, step: int, result: Path, **kwargs) -> subprocess.Popen:
+    """Start `finish` in a subprocess tied to this process (see the module docstring)."""
+    state = Path(state)
+    receipts.atomic_write_json(state / receipts.PENDING, {
+        "pid": os.getpid(), "step": int(step),
+        "started_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")})
+    cmd = [sys.executable, "-m", "opd_patches.ops.finish", "finish", "--state", str(state), "--step", str(step),
+           "--result", str(result), "--parent-pid", str(os.getpid()), "--timeout-s", str(kwargs.get("timeout_s", 1800))]
+    if kwargs.get("validate", True):
+        cmd.append("--validate")
+    if kwargs.get("expected_params"):
+        cmd += ["--expected-params", str(kwargs["expected_params"])]
+    if kwargs.get("keep"):
+        cmd += ["--keep", str(kwargs["keep"])]
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "TOKENIZERS_PARALLELISM": "false"}
+    return subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL)
+
+
+def collect(proc: subprocess.Popen, result: Path, state: Path, wait: bool) -> dict | None:
+    """The finished background result (None while it runs); a failed finish is reported, not raised."""
+    if proc.poll() is None and not wait:
+        return None
+    code = proc.wait()
+    try:
+        return json.loads(Path(result).read_text())
+    except (OSError, ValueError):
+        return {"step": None, "error": f"background finish of {state} exited {code} without a result; "
+                f"the state stays incomplete ({receipts.problem(state)})"}
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["validate"]:  # opd_patches.validate, tied to the finishing process
+        parser = argparse.ArgumentParser(prog="finish validate")
+        parser.add_argument("--parent-pid", type=int)
+        args, rest = parser.parse_known_args(argv[1:])
+        die_with_parent(args.parent_pid)
+        from opd_patches import validate
+
+        return validate.main(rest)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    f = sub.add_parser("finish", help="validate, hash, write the receipt, prune")
+    f.add_argument("--state", type=Path, required=True)
+    f.add_argument("--step", type=int, required=True)
+    f.add_argument("--validate", action="store_true")
+    f.add_argument("--expected-params", type=int)
+    f.add_argument("--timeout-s", type=float, default=1800)
+    f.add_argument("--keep", type=int)
+    f.add_argument("--result", type=Path, help="write the result here (JSON)")
+    f.add_argument("--parent-pid", type=int, help="die with this process (the trainer)")
+    args = parser.parse_args(argv)
+    die_with_parent(args.parent_pid)
+    if not args.state.is_dir():
+        print(f"--state {args.state}: no such state folder", file=sys.stderr)
+        return 2
+    out = finish(args.state, args.step, args.validate, args.expected_params, args.timeout_s, args.keep)
+    if args.result:
+        receipts.atomic_write_json(args.result, out)
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,90 @@
+"""The part of a save after upstream's state write (opd_patches/ops/finish.py): export validation, hashing,
+receipt, pruning, in-process or as a background subprocess tied to the trainer. Synthetic state folders
+(tests/test_ops_checkpoints.py's layout); the real trainer's background saves: tests/test_ops_e2e.py.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from opd_patches.ops import checkpoints, finish, receipts
+from test_ops_checkpoints import make_state
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def listing(run):
+    return [(s["step"], s["complete"], s["validated"]) for s in checkpoints.list_states(run)]
+
+
+def test_failed_validation_is_recorded_and_never_displaces_the_last_validated_state(tmp_path):
+    make_state(tmp_path, 1)
+    bad = make_state(tmp_path, 2, complete=False)  # its export has no config.json: validation fails
+    out = finish.finish(bad, 2, validate=True, expected_params=None, timeout_s=600, keep=1)
+    validation = json.loads((bad / receipts.NAME).read_text())["validation"]
+    assert validation["ok"] is False and "config.json missing" in validation["error"], validation
+    assert out["validation"] == validation and out["pruned"] == []
+    # keep=1 counts validated states: 1 stays (the run's result), 2 stays (the newest complete: resume point).
+    assert listing(tmp_path) == [(1, True, True), (2, True, False)]
+
+
+def test_background_finish_writes_the_receipt_last_then_prunes(tmp_path):
+    make_state(tmp_path, 1)
+    make_state(tmp_path, 2)
+    state = make_state(tmp_path, 3, complete=False)
+    result = tmp_path / "result.json"
+    proc = finish.launch(state, 3, result, validate=False, keep=1)
+    pending = json.loads((state / receipts.PENDING).read_text())
+    assert pending["pid"] == os.getpid() and pending["step"] == 3
+    if proc.poll() is None:  # the window: listed as incomplete, saying why
+        assert "background finish" in checkpoints.list_states(tmp_path)[-1]["reason"]
+    out = finish.collect(proc, result, state, wait=True)
+    assert proc.returncode == 0 and out["step"] == 3 and out["validation"] is None, out
+    assert not (state / receipts.PENDING).exists() and receipts.verify(state) == []
+    assert receipts.PENDING not in json.loads((state / receipts.NAME).read_text())["files"]
+    # Pruned after the receipt: 2 = the newest validated (kept), 3 = the newest complete (not validated).
+    assert out["pruned"] == [1] and listing(tmp_path) == [(2, True, True), (3, True, None)]
+
+
+def test_a_finish_that_dies_leaves_the_state_incomplete(tmp_path):
+    state = make_state(tmp_path, 4, complete=False)
+    proc = subprocess.Popen([sys.executable, "-c", "import sys; sys.exit(9)"])
+    out = finish.collect(proc, tmp_path / "absent.json", state, wait=True)
+    assert "exited 9 without a result" in out["error"] and "no receipt" in out["error"]
+    assert listing(tmp_path) == [(4, False, None)]
+
+
+CHILD = ("import os, time; from opd_patches.ops.finish import die_with_parent; "
+         "die_with_parent(os.getppid()); print('ready', flush=True); time.sleep(120)")
+PARENT = ("import subprocess, sys, time; c = subprocess.Popen([sys.executable, '-c', sys.argv[1]]); "
+          "print(c.pid, flush=True); time.sleep(120)")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return "\nState:\tZ" not in f.read()  # a zombie has died
+    except FileNotFoundError:
+        return False
+
+
+def test_finish_process_dies_with_the_trainer():
+    """SIGKILL of the trainer kills its finish (and a finish's validator): no orphan writes a receipt later."""
+    parent = subprocess.Popen([sys.executable, "-c", PARENT, CHILD], stdout=subprocess.PIPE, text=True, cwd=REPO)
+    child = int(parent.stdout.readline())
+    assert parent.stdout.readline().strip() == "ready" and _alive(child)
+    parent.kill()
+    parent.wait(30)
+    deadline = time.monotonic() + 30
+    while _alive(child) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if _alive(child):
+        os.kill(child, signal.SIGKILL)
+        raise AssertionError("the child outlived its killed parent")
+    # Started after its parent is already gone (re-parented): exits at once.
+    gone = subprocess.run([sys.executable, "-c", "from opd_patches.ops.finish import die_with_parent; "
+                           "die_with_parent(1); print('ran on')"], capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert gone.returncode == 1 and "ran on" not in gone.stdout
