@@ -252,3 +252,26 @@ def test_registered_in_a_fresh_process_through_the_env_var():
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout.splitlines()[-1]) == [True, True]
+
+
+@pytest.mark.parametrize("k", [0, 3])
+def test_teacher_scores_packed_rows_the_same(monkeypatch, k):
+    """The colocated teacher (opd_patches/teacher/scoring.py) packs its micro-batches under torch_varlen:
+    same log-probs and ids as its padded sdpa path, lengths 1 and 2 included."""
+    from opd_patches.teacher import scoring
+    from opd_patches.teacher.scoring import score_sequences
+
+    forwards = []
+    for name in ("_packed_forward", "_padded_forward"):
+        real = getattr(scoring, name)
+        monkeypatch.setattr(scoring, name, lambda *a, _n=name, _r=real: forwards.append(_n) or _r(*a))
+    gen = torch.Generator().manual_seed(6)
+    seqs = [torch.randint(0, 97, (n,), generator=gen) for n in (9, 1, 4, 2, 7)]
+    model = tiny_qwen(tv.NAME).eval()
+    lp, ids = score_sequences(model, seqs, k, chunk_size=5, max_tokens=24)
+    model.set_attn_implementation("sdpa")
+    ref_lp, ref_ids = score_sequences(model, seqs, k, chunk_size=5, max_tokens=24)
+    assert len(set(forwards)) == 2 and forwards[0] == "_packed_forward" and forwards[-1] == "_padded_forward"
+    for a, b, c, d in zip(lp, ref_lp, ids, ref_ids):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+        assert torch.equal(c, d)

@@ -9,14 +9,18 @@ Upstream's standalone teacher (verl/experimental/teacher_loop/teacher_manager.py
 - a dummy last row (log-prob 0.0, id 0), so that there is one row per input token;
 - `teacher_logprobs` float32, `teacher_ids` int32; temperature 1.0 (plain log_softmax of the logits).
 
-`score_sequences` computes exactly that with one forward pass per micro-batch of right-padded
-sequences and a chunked lm_head + log_softmax: at most (chunk_size, V) fp32 logits exist at a time,
-never (T, V) for a whole batch.
+`score_sequences` computes exactly that with one forward pass per micro-batch and a chunked lm_head +
+log_softmax: at most (chunk_size, V) fp32 logits exist at a time, never (T, V) for a whole batch. A
+micro-batch is right-padded sequences with a mask, or, under a varlen attention (flash_attention_2 or
+torch_varlen, opd.attn_implementation), one packed row with restarting position_ids as VERL's actor
+packs them: no padded tokens computed, no mask.
 """
 
 from collections.abc import Sequence
 
 import torch
+
+PACKED_ATTENTION = ("flash_attention_2", "flash_attention_3", "torch_varlen")  # take packed rows
 
 
 def micro_batches(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
@@ -43,6 +47,33 @@ def _logits_fn(model):
     return model.get_output_embeddings()
 
 
+def _padded_forward(decoder, seqs, device, pad_token_id):
+    """(hidden states of every position t < L-1, the token t+1 each predicts), sample-major."""
+    lengths = [int(s.numel()) for s in seqs]
+    ids = torch.full((len(seqs), max(lengths)), pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), max(lengths)), dtype=torch.long)
+    for row, (s, n) in enumerate(zip(seqs, lengths)):
+        ids[row, :n] = s.to(torch.long).cpu()
+        mask[row, :n] = 1
+    ids, mask = ids.to(device), mask.to(device)
+    # Right padding leaves every real position's causal context unchanged; a lone sequence
+    # needs no mask at all.
+    hidden = decoder(input_ids=ids, attention_mask=mask if len(seqs) > 1 else None).last_hidden_state
+    # boolean indexing keeps the scored positions in sample-major order
+    scored = mask[:, 1:].bool()
+    return hidden[:, :-1][scored], ids[:, 1:][scored]
+
+
+def _packed_forward(decoder, seqs, device, pad_token_id):
+    """Same as _padded_forward, from one packed row (position ids restart at 0 at each sequence)."""
+    ids = torch.cat([s.to(torch.long).cpu() for s in seqs]).to(device)
+    pos = torch.cat([torch.arange(int(s.numel())) for s in seqs]).to(device)
+    hidden = decoder(input_ids=ids[None], position_ids=pos[None]).last_hidden_state[0]
+    scored = torch.ones_like(ids, dtype=torch.bool)
+    scored[torch.cumsum(torch.tensor([int(s.numel()) for s in seqs]), 0).to(device) - 1] = False  # each last token
+    return hidden[scored], ids.roll(-1)[scored]
+
+
 @torch.inference_mode()
 def score_sequences(
     model,
@@ -66,22 +97,10 @@ def score_sequences(
     out_lp: list[torch.Tensor] = [None] * len(sequences)
     out_id: list[torch.Tensor] = [None] * len(sequences)
 
+    packed = getattr(model.config, "_attn_implementation", None) in PACKED_ATTENTION
     for group in micro_batches(lengths, max_tokens):
-        width_t = lengths[group[0]]  # longest first
-        ids = torch.full((len(group), width_t), pad_token_id, dtype=torch.long)
-        mask = torch.zeros((len(group), width_t), dtype=torch.long)
-        for row, i in enumerate(group):
-            ids[row, : lengths[i]] = sequences[i].to(torch.long).cpu()
-            mask[row, : lengths[i]] = 1
-        ids, mask = ids.to(device), mask.to(device)
-        # Right padding leaves every real position's causal context unchanged; a lone sequence
-        # needs no mask at all.
-        hidden = decoder(input_ids=ids, attention_mask=mask if len(group) > 1 else None).last_hidden_state
-        # Positions t < L-1 of each sequence predict token t+1; boolean indexing keeps them in
-        # sample-major order.
-        scored = mask[:, 1:].bool()
-        h = hidden[:, :-1][scored]
-        nxt = ids[:, 1:][scored]
+        h, nxt = (_packed_forward if packed else _padded_forward)(
+            decoder, [sequences[i] for i in group], device, pad_token_id)
         lp = torch.empty((h.shape[0], width), dtype=torch.float32, device=device)
         top = torch.empty((h.shape[0], width), dtype=torch.long, device=device)
         for start in range(0, h.shape[0], chunk_size):
