@@ -4,9 +4,19 @@
 answer:
 
 1. Extraction (in this process, plain string scanning): the part after the last `</think>` when there
-   is one (an unfinished thought has no final answer), then its LAST complete `\\boxed{...}` /
-   `\\fbox{...}` (balanced braces, `\\{ \\}` skipped; also `\\boxed 5`), else the last `Answer: X` line
-   that DAPO-Math-17k prompts ask for, else no answer.
+   is one, then its LAST complete `\\boxed{...}` / `\\fbox{...}` (balanced braces, `\\{ \\}` skipped;
+   also `\\boxed 5`), else the last `Answer: X` line that DAPO-Math-17k prompts ask for, else no answer.
+   A response still inside an unfinished thought has no final answer and scores 0 (`no_answer`,
+   `GradeResult.unfinished_thought`). R1-Distill's chat template ends the generation prompt with an
+   open `<think>` (its responses hold `</think>` but no `<think>`), so whether a thought is open
+   depends on the prompt: `unfinished_thought(response, prompt_opened)` is true when the generation
+   prompt opened one (`prompt_opens_thought(prompt)`; `opd_patches.prompt.opens_thought(tokenizer)`
+   derives it once from a chat template) or the response opened one itself, and no `</think>`
+   followed. Why 0 and not the last `\\boxed{}` of the draft: R1 writes its answer after `</think>`;
+   what it boxes while thinking is a candidate it may still reject, and a response cut at the token
+   cap mid-thought has committed to nothing (crediting its drafts would reward rambling into the cap
+   and hide truncation). Templates without thoughts (ChatML) and responses that open none are graded
+   on their whole text, as before.
 2. A string fast path: equal after removing spacing, `$`, `\\left`/`\\right` and `\\dfrac`/`\\tfrac`
    means correct (it never decides "wrong").
 3. math-verify (`verify(parse(gold), parse(answer))`, gold first as its docs ask), run in a worker
@@ -54,6 +64,7 @@ class GradeResult:
     extracted: str | None  # the final answer found in the response, None when there is none
     decided_by: str  # "string_match" | "math_verify" | "no_answer" | "parse_error" | "timeout" | "error"
     reason: str
+    unfinished_thought: bool = False  # the response ended inside a thought (then decided_by is no_answer)
 
     @property
     def decided(self) -> bool:
@@ -70,7 +81,7 @@ RULE_VERDICTS = ("string_match", "math_verify", "no_answer")
 _BOX_RE = re.compile(r"\\(?:boxed|fbox)(?![A-Za-z])")
 _ANSWER_RE = re.compile(r"(?i)answer\s*:\s*([^\n]+)")  # DAPO's pattern (verl math_dapo); last match wins
 _BARE_BOX_ARG_RE = re.compile(r"[ \t]+([^\s$]+)")  # `\boxed 5`
-_THINK_END = "</think>"
+_THINK_START, _THINK_END = "<think>", "</think>"
 
 
 def _boxed_argument(text: str, start: int) -> tuple[str, int] | None:
@@ -120,8 +131,22 @@ def _unwrap(answer: str) -> str:
         answer = s
 
 
-def extract_answer(response: str) -> tuple[str | None, str]:
-    """(answer, where it came from: "boxed" | "answer_line" | "none")."""
+def prompt_opens_thought(prompt: str) -> bool:
+    """Whether a rendered generation prompt leaves a thought open (its last think tag is `<think>`)."""
+    return prompt.rfind(_THINK_START) > prompt.rfind(_THINK_END)
+
+
+def unfinished_thought(response: str, prompt_opened: bool = False) -> bool:
+    """Whether `response` ends inside a thought: its last think tag is `<think>`, or it has none and the
+    generation prompt opened one."""
+    start, end = response.rfind(_THINK_START), response.rfind(_THINK_END)
+    return start > end or (start == end == -1 and prompt_opened)
+
+
+def extract_answer(response: str, prompt_opened: bool = False) -> tuple[str | None, str]:
+    """(answer, where it came from: "boxed" | "answer_line" | "none" | "unfinished_thought")."""
+    if unfinished_thought(response, prompt_opened):
+        return None, "unfinished_thought"
     if _THINK_END in response:
         response = response.rsplit(_THINK_END, 1)[1]
     boxed = _last_boxed(response)
@@ -321,14 +346,19 @@ os.register_at_fork(after_in_child=_forget_pool_after_fork)
 # --- grading --------------------------------------------------------------------------------------
 
 
-def grade(response: str, gold: str, timeout_s: float = DEFAULT_TIMEOUT_S, fast_path: bool = True) -> GradeResult:
+def grade(response: str, gold: str, timeout_s: float = DEFAULT_TIMEOUT_S, fast_path: bool = True,
+          prompt_opened_thought: bool = False) -> GradeResult:
     """Grade one model response against a gold answer; never raises on model output, never hangs.
 
     `timeout_s` bounds the math-verify comparison (not the start of a worker); `fast_path=False` sends
     even string-equal answers to math-verify (tests use it to check that math-verify accepts a gold).
+    `prompt_opened_thought`: the generation prompt ended inside a thought (R1's template; see above).
     """
     gold = _unwrap(str(gold))
-    answer, source = extract_answer(response)
+    answer, source = extract_answer(response, prompt_opened_thought)
+    if source == "unfinished_thought":
+        return GradeResult(False, None, "no_answer", "inside an unfinished thought (no </think> after the last "
+                           "<think>, the prompt's included): no final answer", unfinished_thought=True)
     if answer is None:
         where = "after </think>" if _THINK_END in response else "in the response"
         return GradeResult(False, None, "no_answer", f"no \\boxed{{}} and no 'Answer:' line {where}")

@@ -39,3 +39,12 @@ def render(tokenizer, problem: str) -> str:
             "uses the model's chat template, as training does (add one to tokenizer_config.json)"
         )
     return tokenizer.apply_chat_template(messages(problem), tokenize=False, add_generation_prompt=True)
+
+
+def opens_thought(tokenizer) -> bool:
+    """Whether the tokenizer's chat template ends the generation prompt inside a thought (R1-Distill's
+    ends it with `<think>\\n`; ChatML's does not): the fact the grader needs to tell an unfinished
+    thought (`opd_patches.grader.unfinished_thought`), derived from the template itself."""
+    from opd_patches.grader import prompt_opens_thought
+
+    return prompt_opens_thought(render(tokenizer, "What is 1 + 1?"))

@@ -8,17 +8,36 @@ Selected in a recipe through VERL's custom reward hook (`verl.trainer.ppo.reward
       custom_reward_function:
         path: pkg://opd_patches.reward   # an importable module; a file path works too
         name: compute_score
+        reward_kwargs:
+          tokenizer: ${actor_rollout_ref.model.path}   # whose chat template may open a thought
 
 The reward loop's `naive` manager calls it in an executor thread with keyword arguments and keeps
 the returned dict as `reward_extra_info` (`acc` and `pred` feed VERL's validation metrics, `pred`
 its majority vote). Keys under `reward.custom_reward_function.reward_kwargs` (e.g. `timeout_s`) are
-passed on as keyword arguments.
+passed on as keyword arguments. `tokenizer` (a tokenizer or model folder) tells the grader whether the
+generation prompt opened a thought (R1-Distill's template ends it with `<think>`), read once per
+process from its chat template (`opd_patches.prompt.opens_thought`), as the evaluation reads it; without
+it the prompt counts as opening none.
 """
+
+from functools import lru_cache
 
 from opd_patches.grader import DEFAULT_TIMEOUT_S, grade
 
 
-def compute_score(data_source, solution_str, ground_truth, extra_info=None, timeout_s=DEFAULT_TIMEOUT_S, **kwargs):
-    """{"score": 1.0 | 0.0, "acc": correct, "pred": extracted answer or ""} for one response."""
-    result = grade(solution_str, ground_truth, timeout_s=timeout_s)
-    return {"score": float(result.correct), "acc": result.correct, "pred": result.extracted or ""}
+@lru_cache(maxsize=None)
+def prompt_opens_thought(tokenizer: str) -> bool:
+    from transformers import AutoTokenizer
+
+    from opd_patches.prompt import opens_thought
+
+    return opens_thought(AutoTokenizer.from_pretrained(tokenizer))
+
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None, timeout_s=DEFAULT_TIMEOUT_S,
+                  tokenizer=None, **kwargs):
+    """{"score": 1.0 | 0.0, "acc": correct, "pred": extracted answer or "", "unfinished_thought"} for one response."""
+    opened = bool(tokenizer) and prompt_opens_thought(str(tokenizer))
+    result = grade(solution_str, ground_truth, timeout_s=timeout_s, prompt_opened_thought=opened)
+    return {"score": float(result.correct), "acc": result.correct, "pred": result.extracted or "",
+            "unfinished_thought": result.unfinished_thought}

@@ -146,6 +146,49 @@ def test_no_answer(response):
     assert (result.correct, result.extracted, result.decided_by) == (False, None, "no_answer")
 
 
+# --- R1's thinking convention ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "response, prompt_opened, unfinished",
+    [
+        ("so \\boxed{4}", False, False),  # a template without thoughts (ChatML): the whole text, as before
+        ("so \\boxed{4}", True, True),  # R1's prompt opened the thought; cut at the cap before </think>
+        ("maybe \\boxed{3}</think> so \\boxed{4}", True, False),  # R1's usual shape: answer after </think>
+        ("<think>so \\boxed{4}", False, True),  # the response opened a thought itself and never closed it
+        ("<think>hm</think> \\boxed{4}", False, False),
+        ("<think>a</think> \\boxed{4} <think>again \\boxed{4}", True, True),  # re-opened, never closed
+    ],
+)
+def test_unfinished_thought_has_no_final_answer(response, prompt_opened, unfinished):
+    result = grade(response, "4", prompt_opened_thought=prompt_opened)
+    assert grader.unfinished_thought(response, prompt_opened) is unfinished
+    assert (result.unfinished_thought, result.correct) == (unfinished, not unfinished), result
+    if unfinished:
+        assert (result.extracted, result.decided_by) == (None, "no_answer") and "unfinished thought" in result.reason
+
+
+def test_the_fact_comes_from_the_chat_template(embedded, tmp_path):
+    """Reward and evaluation read whether the prompt opens a thought from the tokenizer's template
+    (`prompt.opens_thought`); an R1-style template (ChatML + `<think>` after the assistant header) vs ChatML."""
+    from transformers import AutoTokenizer
+
+    from opd_patches import prompt
+
+    chatml = AutoTokenizer.from_pretrained(embedded["tokenizer"])
+    r1 = AutoTokenizer.from_pretrained(embedded["tokenizer"])
+    r1.chat_template = chatml.chat_template.replace("'<|im_start|>assistant\\n'", "'<|im_start|>assistant\\n<think>\\n'")
+    assert r1.chat_template != chatml.chat_template
+    r1.save_pretrained(tmp_path / "r1")
+    assert (prompt.opens_thought(chatml), prompt.opens_thought(r1)) == (False, True)
+    cut = "Let me think. 2 + 2 = \\boxed{4}, or is it"  # no </think>: still thinking at the cap
+    done = "2 + 2 = \\boxed{5}? no.</think>\nThe answer is \\boxed{4}."
+    assert reward.compute_score("x", cut, "4", tokenizer=str(embedded["tokenizer"]))["score"] == 1.0
+    assert reward.compute_score("x", cut, "4", tokenizer=str(tmp_path / "r1")) == {
+        "score": 0.0, "acc": False, "pred": "", "unfinished_thought": True}
+    assert reward.compute_score("x", done, "4", tokenizer=str(tmp_path / "r1"))["score"] == 1.0
+
+
 def test_which_grader_decided():
     """Every result names the deciding step; parse errors are not verdicts (a verifier may be asked)."""
     cases = [("\\boxed{4}", "4", "string_match", True), ("\\boxed{0.5}", "\\frac{1}{2}", "math_verify", True),
@@ -235,11 +278,11 @@ def test_concurrent_calls_from_threads():
 @pytest.mark.parametrize("data_source", ["my/unknown_source", "math_dapo", "lighteval/MATH", "aime24"])
 def test_compute_score_any_data_source(data_source):
     right = reward.compute_score(data_source, "... \\boxed{\\frac{3}{2}}", "1.5", extra_info={"index": 0})
-    assert right == {"score": 1.0, "acc": True, "pred": "\\frac{3}{2}"}
+    assert right == {"score": 1.0, "acc": True, "pred": "\\frac{3}{2}", "unfinished_thought": False}
     wrong = reward.compute_score(data_source, "Answer: 7", "8")
-    assert wrong == {"score": 0.0, "acc": False, "pred": "7"}
+    assert wrong == {"score": 0.0, "acc": False, "pred": "7", "unfinished_thought": False}
     none = reward.compute_score(data_source, "no idea", "8")
-    assert none == {"score": 0.0, "acc": False, "pred": ""}
+    assert none == {"score": 0.0, "acc": False, "pred": "", "unfinished_thought": False}
 
 
 RECOMMENDED = ["reward.custom_reward_function.path=pkg://opd_patches.reward",

@@ -84,14 +84,15 @@ def _write_records(path: Path, records: list[dict]) -> None:
     _write_atomic(path, "".join(json.dumps(r) + "\n" for r in records))
 
 
-def _rule_grade(item: dict, completion, timeout_s: float) -> dict:
-    result = grade(completion.text, item["gold"], timeout_s=timeout_s)
+def _rule_grade(item: dict, completion, timeout_s: float, prompt_opened_thought: bool = False) -> dict:
+    result = grade(completion.text, item["gold"], timeout_s=timeout_s, prompt_opened_thought=prompt_opened_thought)
     return {
         **item,
         "response": completion.text,
         "n_tokens": completion.n_tokens,
         "finish_reason": completion.finish_reason,
         "truncated": completion.finish_reason == "length",
+        "unfinished_thought": result.unfinished_thought,
         "extracted": result.extracted,
         "correct": result.correct,
         "grader": "rule",
@@ -180,6 +181,10 @@ def run(args: dict) -> dict:
         _write_atomic(out / "eval_config.json", json.dumps(config, indent=2) + "\n")
         tok = backend.tokenizer
         prompts = {q["id"]: prompt_template.render(tok, q["problem"]) for q in questions}
+        # R1's template opens a thought in the prompt: the grader needs it (as the training reward has it)
+        opened = prompt_template.opens_thought(tok)
+        config["prompt_opens_thought"] = opened
+        _write_atomic(out / "eval_config.json", json.dumps(config, indent=2) + "\n")
         est = estimate(backend, len(pending), protocol["max_new_tokens"], prompts[pending[0][0]["id"]])
         workers = max(1, int(os.environ.get("OPD_GRADER_WORKERS", "1")))
         t0, n_tokens, n_correct = time.time(), 0, 0
@@ -191,7 +196,7 @@ def run(args: dict) -> dict:
                                         protocol["temperature"], protocol["top_p"], seeds)
                 items = [{"id": q["id"], "sample": k, "source": q["source"], "gold": q["answer"], "seed": s,
                           "backend": backend.name} for (q, k), s in zip(chunk, seeds)]
-                graded = list(pool.map(lambda pair: _rule_grade(*pair, timeout_s), zip(items, outs)))
+                graded = list(pool.map(lambda pair: _rule_grade(*pair, timeout_s, opened), zip(items, outs)))
                 for r in graded:
                     fh.write(json.dumps(r) + "\n")
                 fh.flush()
@@ -222,7 +227,8 @@ def run(args: dict) -> dict:
 
     plot_summary(summary, out / "scores.png")
     log(f"pass@1 = {summary['pass_at_1']:.4f} +/- {summary['se_clustered']:.4f} (question-clustered SE), "
-        f"{summary['n_questions']} questions, {summary['n_samples']} samples, truncation {summary['truncation_rate']:.3f}"
+        f"{summary['n_questions']} questions, {summary['n_samples']} samples, truncation {summary['truncation_rate']:.3f}, "
+        f"{summary['n_unfinished_thought']} inside an unfinished thought"
         f"{'' if summary['complete'] else ' [INCOMPLETE]'}")
     log(f"wrote {gen_path}, {out / 'summary.json'}, {out / 'scores.png'}")
     return summary

@@ -2,13 +2,14 @@
 
 A record (one line of `<out>/generations.jsonl`, one sampled answer):
     {"id", "sample", "source", "gold", "response", "n_tokens", "finish_reason", "truncated",
-     "extracted", "correct", "grader": "rule"|"verifier", "decided_by", "reason", ...}
+     "unfinished_thought", "extracted", "correct", "grader": "rule"|"verifier", "decided_by", "reason", ...}
 
 `load_records` reads the file and tolerates a cut-off last line (an interrupted run); `results` turns
 records into the `{question_id: [0/1, ...]}` mapping `opd_patches.stats` works on. `summarize` gives:
 pass@1 (each question weighted equally), `se_clustered` (std of per-question means / sqrt(questions):
 THE uncertainty; the naive binomial SE is kept only as a labelled diagnostic), `truncation_rate`
-(samples that hit the token cap / all samples), the same per source file (e.g. aime24 and aime25),
+(samples that hit the token cap / all samples), `n_unfinished_thought` (samples that ended inside a
+thought, scored 0 by the grader; most are truncated ones), the same per source file (e.g. aime24 and aime25),
 counts of who decided (`graders`), mean response length, and whether every (question, sample) pair of
 the protocol is present (`complete`).
 """
@@ -64,6 +65,7 @@ def _block(records: list[dict]) -> dict:
         "n_questions": p["n_questions"],
         "n_samples": p["n_samples"],
         "truncation_rate": stats.truncation_rate([bool(r["truncated"]) for r in records]),
+        "n_unfinished_thought": sum(bool(r.get("unfinished_thought")) for r in records),
     }
 
 
