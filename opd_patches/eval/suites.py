@@ -12,6 +12,11 @@ A protocol is a YAML file in `opd_patches/eval/protocols/` (or any path given as
 
 Short names: `math500` = math500_pass_at_1, `aime` = aime24_25_at32.
 
+A protocol may generate its questions instead (`generate: <generator>`, `questions: N`,
+`question_seed: S`, `files: []`): `embedded` (protocols/embedded.yaml) makes N arithmetic word
+problems with integer gold answers as the embedded training prompts are made (`opd_patches.embedded`),
+so a smoke needs no data files.
+
 Question files are JSONL rows `{"id", "problem", "answer"}` (ids unique within the suite; a row without
 an id gets `<file stem>-<line>`). The evaluation data folder is `--data-dir`, else `$OPD_EVAL_DATA`,
 else `~/data/opd-eval` (DEFAULT_DATA_DIR): the user fills it with MATH-500 / AIME 2024 / AIME 2025 in
@@ -55,8 +60,35 @@ def load_protocol(suite: str) -> dict:
     return {**protocol, "protocol_file": str(path)}
 
 
+def embedded_questions(n: int, seed: int) -> list[dict]:
+    """`n` distinct arithmetic word problems (`opd_patches.embedded`'s generator), ids `embedded-<i>`."""
+    import random
+
+    from opd_patches.embedded.build import _problem
+
+    rng, found = random.Random(seed), {}
+    while len(found) < n:
+        problem, answer = _problem(rng)
+        found.setdefault(problem, answer)
+    return [{"id": f"embedded-{i}", "problem": q, "answer": str(a), "source": "embedded"}
+            for i, (q, a) in enumerate(found.items())]
+
+
+GENERATORS = {"embedded": embedded_questions}
+
+
 def load_questions(protocol: dict, data_dir: Path, limit: int | None = None) -> list[dict]:
-    """[{"id", "problem", "answer", "source"}] of the suite's files, in file order; first `limit` only."""
+    """[{"id", "problem", "answer", "source"}] of the suite's files, in file order (or generated, for a
+    protocol with `generate`); first `limit` only."""
+    if protocol.get("generate") is not None:
+        make = GENERATORS.get(protocol["generate"])
+        if make is None:
+            raise ValueError(f"protocol {protocol['protocol_file']}: generate {protocol['generate']!r} is not one of "
+                             f"{', '.join(GENERATORS)}")
+        n = protocol.get("questions")
+        if not isinstance(n, int) or n < 1:
+            raise ValueError(f"protocol {protocol['protocol_file']}: key 'questions' (how many to generate) must be a positive integer")
+        return make(min(n, limit or n), int(protocol.get("question_seed", 0)))
     data_dir = Path(data_dir).expanduser()
     questions, seen = [], set()
     for name in protocol["files"]:
