@@ -252,3 +252,21 @@ def test_prompt_is_the_training_template(embedded):
     text = prompt.render(tok, "What is 2+3?")
     assert text.endswith("<|im_start|>assistant\n")
     assert "What is 2+3?\n" + prompt.INSTRUCTION in text
+
+
+def test_plot_of_a_checkpoint_names_run_and_step_and_fits_the_title(tmp_path, monkeypatch):
+    import matplotlib.pyplot as plt
+
+    model = "/home/user/outputs/k1_lr1e-6_long_run_name_seed3/global_step_120/actor/huggingface"
+    assert plot.model_label(model) == "k1_lr1e-6_long_run_name_seed3 step 120"
+    assert plot.model_label("/models/DeepSeek-R1-Distill-Qwen-1.5B") == "DeepSeek-R1-Distill-Qwen-1.5B"
+    figures = []
+    monkeypatch.setattr(plt, "close", figures.append)  # keep the figure to measure its title
+    s = {"suite": "math500_pass_at_1", "model": model, "step": 120, "pass_at_1": 0.3, "se_clustered": 0.02,
+         "n_questions": 500, "n_samples": 2000, "per_source": {}}
+    plot.plot_summary(s, tmp_path / "scores.png")
+    fig = figures[0]
+    title = fig.axes[0].title
+    assert "k1_lr1e-6_long_run_name_seed3 step 120" in " ".join(title.get_text().split())  # wrapped at spaces
+    box, edge = title.get_window_extent(fig.canvas.get_renderer()), fig.bbox
+    assert edge.x0 <= box.x0 and box.x1 <= edge.x1 and box.y1 <= edge.y1, (box, edge)

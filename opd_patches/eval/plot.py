@@ -20,8 +20,11 @@ import argparse
 import json
 import math
 import sys
+import textwrap
 from collections import defaultdict
 from pathlib import Path
+
+from opd_patches.eval.summary import step_of
 
 DEFAULT_CURVE_KEYS = (
     "actor/distillation/loss",
@@ -44,6 +47,29 @@ def _pyplot():
     return plt
 
 
+def model_label(model: str, step: int | None = None) -> str:
+    """What a plot calls a model: `<run> step N` for a checkpoint's export
+    (`<run>/global_step_N/actor/huggingface`, whose own folder name says nothing), else its folder name."""
+    path = Path(str(model))
+    for parent in [path, *path.parents]:
+        found = step_of(parent.name)
+        if found is not None:
+            return f"{parent.parent.name or parent.name} step {found if step is None else step}"
+    return path.name + ("" if step is None else f" step {step}")
+
+
+def _fit_title(ax, title: str, fontsize: float) -> None:
+    """Set `title`, wrapped at spaces until the laid-out figure holds it (measured, not guessed)."""
+    fig, width = ax.figure, len(title)
+    while True:
+        text = ax.set_title(textwrap.fill(title, width, break_on_hyphens=False), fontsize=fontsize)
+        fig.tight_layout()
+        box = text.get_window_extent(fig.canvas.get_renderer())
+        if (fig.bbox.x0 <= box.x0 and box.x1 <= fig.bbox.x1) or width <= 16:
+            return
+        width = int(width * 0.85)
+
+
 def _err(se) -> float:
     return 0.0 if se is None or (isinstance(se, float) and math.isnan(se)) else float(se)
 
@@ -51,7 +77,7 @@ def _err(se) -> float:
 def plot_summary(summary: dict, path: Path) -> Path:
     plt = _pyplot()
     rows = [("all", summary)] + list(summary.get("per_source", {}).items())
-    fig, ax = plt.subplots(figsize=(1.6 + 1.2 * len(rows), 3.6))
+    fig, ax = plt.subplots(figsize=(max(4.0, 1.6 + 1.2 * len(rows)), 3.6))
     xs = range(len(rows))
     ax.bar(xs, [r["pass_at_1"] for _, r in rows], yerr=[_err(r["se_clustered"]) for _, r in rows], capsize=6,
            color=["tab:blue"] + ["tab:gray"] * (len(rows) - 1))
@@ -61,11 +87,8 @@ def plot_summary(summary: dict, path: Path) -> Path:
     ax.set_xticks(list(xs), [f"{name}\n{r['n_questions']} q x {r['n_samples'] // max(r['n_questions'], 1)}" for name, r in rows])
     ax.set_ylim(0, 1)
     ax.set_ylabel("pass@1 (+/- clustered SE)")
-    title = f"{summary['suite']}: {Path(str(summary['model'])).name}"
-    if summary.get("step") is not None:
-        title += f" (step {summary['step']})"
-    ax.set_title(title, fontsize=9)
-    fig.tight_layout()
+    title = f"{summary['suite']}: {model_label(summary['model'], summary.get('step'))}"
+    _fit_title(ax, title, fontsize=9)
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return Path(path)
