@@ -105,10 +105,9 @@ def test_fallback_differs_from_attention_across_boundaries():
 # ---- the varlen kernel's dispatch through stand-ins of its signatures ----------------------------
 
 def varlen_attn_2_11(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
-                     window_size=(-1, -1), k_cache=None, v_cache=None, cache_seqlens=None, cache_batch_idx=None,
-                     page_table=None, seqused_k=None):
-    """torch 2.11's varlen_attn signature (pytorch v2.11.0 torch/nn/attention/varlen.py): causal iff
-    window_size == (-1, 0), no GQA flag (the flash kernel needs as many KV heads as query heads here)."""
+                     window_size=(-1, -1)):
+    """torch 2.11's varlen_attn signature, as `inspect.signature` printed it on the H200 host (torch
+    2.11.0+cu130): causal iff window_size == (-1, 0), no GQA flag (KV heads must match query heads)."""
     assert window_size == (-1, 0), "causal attention is window_size=(-1, 0)"
     assert query.shape[1] == key.shape[1] == value.shape[1], "2.11 has no GQA flag: KV heads must be repeated"
     assert cu_seq_q.dtype == torch.int32 and torch.equal(cu_seq_q, cu_seq_k)
