@@ -55,7 +55,7 @@ if [[ "$EMBEDDED" == 1 ]]; then
   STUDENT=$EMB/student TEACHER=$EMB/teacher TRAIN_FILES=$EMB/data/train.parquet VAL_FILES=$EMB/data/val.parquet
 fi
 
-export VERL_USE_EXTERNAL_MODULES=opd_patches   # every process that imports verl registers our hooks
+export VERL_USE_EXTERNAL_MODULES=opd_patches.registered   # every process that imports verl registers our hooks
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 export TOKENIZERS_PARALLELISM=false
 

@@ -1,14 +1,17 @@
 """opd_patches: on-policy distillation for VERL, added only through VERL's own extension hooks.
 
-Importing this package registers (idempotently):
+`register()` registers (idempotently):
 - the `cpu` platform (`PlatformRegistry`, selected by `VERL_PLATFORM=cpu`);
 - the `hf` rollout backend (`RolloutReplicaRegistry` and the `("hf", "async")` rollout class);
 - the distillation loss `forward_kl_topk_tail` (`register_distillation_loss`);
 - the run-time patches of `backends.upstream_patches`;
 - the attention implementation `torch_varlen` (transformers' `AttentionInterface`, `backends.torch_varlen`).
 
-Every VERL process imports it through `VERL_USE_EXTERNAL_MODULES=opd_patches` (run.sh sets the
-variable and passes it to Ray workers); it fails loudly if the installed VERL is not the pinned one.
+Importing this package registers nothing and does not import VERL, so the evaluation, data and
+statistics commands start without VERL's import cost. Every VERL process registers through
+`VERL_USE_EXTERNAL_MODULES=opd_patches.registered` (a module whose import calls `register()`; run.sh
+sets the variable and main.py passes it to Ray workers); `register()` fails loudly if the installed
+VERL is not the pinned one.
 """
 
 from importlib.metadata import PackageNotFoundError, version
@@ -29,7 +32,7 @@ def _check_verl_version():
 
 
 def register():
-    """Register everything; safe to call more than once."""
+    """Register everything with VERL; safe to call more than once (the single entry point)."""
     _check_verl_version()
     from verl.workers.rollout import base as rollout_base
     from verl.workers.rollout.replica import RolloutReplicaRegistry
@@ -48,6 +51,3 @@ def register():
     RolloutReplicaRegistry.register("hf", _load_hf_replica)
     # VERL has no public hook for the in-worker rollout class; this dict is where its own backends live.
     rollout_base._ROLLOUT_REGISTRY[("hf", "async")] = "opd_patches.backends.hf_rollout.HFServerAdapter"
-
-
-register()

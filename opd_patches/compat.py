@@ -2,6 +2,7 @@
 
 Distillation compares the two models token by token, so they must share the vocabulary: the same
 token -> id map and the same output width. A mismatch would silently score the wrong tokens.
+Tokenizers are loaded by `load_tokenizers`, once per model path; the checks take them already loaded.
 """
 
 import os
@@ -17,22 +18,45 @@ def _local(path: str) -> Path | None:
     return p if p.exists() else None
 
 
-def load_vocab(path: str):
-    """(token -> id map, config vocab_size) of a local model folder or a cached hub id; None if unreachable."""
-    from transformers import AutoConfig, AutoTokenizer
+def load_tokenizer(path: str):
+    """The tokenizer of a local model folder or a cached hub id; None if unreachable."""
+    from transformers import AutoTokenizer
 
     kwargs = {} if _local(path) else {"local_files_only": True}
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(path), **kwargs)
-        config = AutoConfig.from_pretrained(str(path), **kwargs)
+        return AutoTokenizer.from_pretrained(str(path), **kwargs)
+    except (OSError, ValueError):
+        return None
+
+
+def load_tokenizers(*paths: str) -> dict:
+    """{path: tokenizer or None}, each distinct path loaded once (a self-distilling teacher shares it)."""
+    loaded = {}
+    for path in map(str, paths):
+        if path not in loaded:
+            loaded[path] = load_tokenizer(path)
+    return loaded
+
+
+def load_vocab(path: str, tokenizer):
+    """(token -> id map, config vocab_size) of a model whose tokenizer is already loaded; None if unreachable."""
+    from transformers import AutoConfig
+
+    if tokenizer is None:
+        return None
+    try:
+        config = AutoConfig.from_pretrained(str(path), **({} if _local(path) else {"local_files_only": True}))
     except (OSError, ValueError):
         return None
     return tokenizer.get_vocab(), getattr(config, "vocab_size", None)
 
 
-def check_vocab(student: str, teacher: str) -> dict:
-    """Raise IncompatibleModels on a vocabulary mismatch; returns what was compared."""
-    s, t = load_vocab(student), load_vocab(teacher)
+def check_vocab(student: str, teacher: str, tokenizers: dict | None = None) -> dict:
+    """Raise IncompatibleModels on a vocabulary mismatch; returns what was compared.
+    `tokenizers`: {path: tokenizer} from load_tokenizers (else they are loaded here)."""
+    tokenizers = {**load_tokenizers(*(p for p in (student, teacher) if str(p) not in (tokenizers or {}))),
+                  **(tokenizers or {})}  # the ones not passed in, loaded once each
+    s, t = load_vocab(student, tokenizers[str(student)]), load_vocab(teacher, tokenizers[str(teacher)])
     if s is None or t is None:
         missing = student if s is None else teacher
         return {"checked": False, "reason": f"{missing} is not available locally (hub id not in the cache)"}

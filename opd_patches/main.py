@@ -19,6 +19,7 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+import opd_patches
 from opd_patches import manifest
 
 PLACEMENTS = ("standalone", "colocated")
@@ -61,23 +62,16 @@ def _root_cause(exc: BaseException) -> BaseException:
     return exc
 
 
-def check_distillation(config: DictConfig) -> None:
-    """Loss settings and model compatibility, checked before any worker starts."""
+def check_distillation(config: DictConfig, run_dir: Path | None = None) -> None:
+    """Loss settings and model compatibility (the pre-flight, below), checked before any worker starts."""
     from verl.utils.config import omega_conf_to_dataclass
-
-    from opd_patches import compat
 
     try:
         # Upstream's own validation (unknown loss_mode lists the registered ones; k1 needs PG; ...).
         loss = omega_conf_to_dataclass(config.distillation).distillation_loss
     except Exception as exc:  # Hydra wraps the dataclass errors; report the original
         raise ConfigError(f"distillation.distillation_loss: {_root_cause(exc)}") from exc
-    student = str(config.actor_rollout_ref.model.path)
-    for key, teacher in config.distillation.teacher_models.items():
-        try:
-            compared = compat.check_vocab(student, str(teacher.model_path))
-        except compat.IncompatibleModels as exc:
-            raise ConfigError(f"distillation.teacher_models.{key}.model_path: {exc}") from exc
+    compared = run_preflight(config, run_dir)
     if loss.loss_settings.use_topk:
         vocab = compared.get("vocab_size")
         if loss.topk is None or loss.topk <= 0 or (vocab and loss.topk > vocab):
@@ -93,27 +87,35 @@ def _first_train_file(config: DictConfig):
     return os.path.expanduser(str(files[0])) if files and str(files[0]).endswith(".parquet") else None
 
 
-def run_preflight(config: DictConfig, run_dir: Path) -> None:
-    """opd.preflight: cheap (vocabulary + chat template on a few real prompts; default), full (also the
-    step-0 statistics: loads both models in the driver), off. Writes preflight.json into the run folder."""
-    from opd_patches import preflight
+def run_preflight(config: DictConfig, run_dir: Path | None = None) -> dict:
+    """The vocabulary check (always), then opd.preflight: cheap (chat template on a few real prompts;
+    default), full (also the step-0 statistics: loads both models in the driver), off. Each model's
+    tokenizer is loaded once for all of it. Writes preflight.json into the run folder (when given).
+    Returns what the vocabulary check compared (compat.check_vocab)."""
+    from opd_patches import compat, preflight
 
     mode = str(config.opd.get("preflight", "cheap"))
     if mode not in PREFLIGHT_MODES:
         raise ConfigError(f"opd.preflight={mode!r}: choose one of {PREFLIGHT_MODES}.")
-    if mode == "off":
-        return
     student = str(config.actor_rollout_ref.model.path)
-    reports = {}
-    for key, teacher in config.distillation.teacher_models.items():
-        out = run_dir / ("preflight.json" if len(config.distillation.teacher_models) == 1 else f"preflight.{key}.json")
+    teachers = {key: str(t.model_path) for key, t in config.distillation.teacher_models.items()}
+    tokenizers = compat.load_tokenizers(student, *teachers.values())
+    compared = {}
+    for key, teacher in teachers.items():
         try:
-            reports[key] = preflight.run_preflight(
-                student, str(teacher.model_path), _first_train_file(config), full=(mode == "full"), strict=False, out=out
-            )
+            compared = compat.check_vocab(student, teacher, tokenizers)
+        except compat.IncompatibleModels as exc:
+            raise ConfigError(f"distillation.teacher_models.{key}.model_path: {exc}") from exc
+        if mode == "off":
+            continue
+        out = None if run_dir is None else run_dir / ("preflight.json" if len(teachers) == 1 else f"preflight.{key}.json")
+        try:
+            report = preflight.run_preflight(student, teacher, _first_train_file(config), full=(mode == "full"),
+                                             strict=False, out=out, tokenizers=tokenizers)
         except preflight.PreflightError as exc:
             raise ConfigError(f"distillation.teacher_models.{key}.model_path (pre-flight, report in {out}): {exc}") from exc
-        print(preflight.format_report(reports[key]), flush=True)
+        print(preflight.format_report(report), flush=True)
+    return compared
 
 
 def apply_placement(config: DictConfig) -> None:
@@ -174,7 +176,7 @@ def apply_attention(config: DictConfig) -> None:
 
 def configure_ray(config: DictConfig, run_dir: Path) -> None:
     """Environment for every Ray process; logical GPUs on the CPU platform."""
-    modules = ["opd_patches"]
+    modules = ["opd_patches.registered"]  # its import calls opd_patches.register()
     if config.opd.teacher_placement == "colocated":
         modules.append("opd_patches.teacher.trainer")  # registers the trainer mode "colocated_teacher"
     else:
@@ -260,16 +262,18 @@ def prepare(config: DictConfig) -> Path:
     """Everything main does before VERL starts; returns the run folder."""
     if "opd" not in config:
         raise ConfigError("The config has no `opd` section: start from a recipe in recipes/ (see recipes/README.md).")
+    # The driver validates loss names and the platform too; run.sh's VERL_USE_EXTERNAL_MODULES already
+    # registered them when verl was imported, a direct caller may not have set it (idempotent).
+    opd_patches.register()
     apply_placement(config)
     apply_attention(config)
     check_paths(config)
-    check_distillation(config)
     run_dir = Path(os.path.expanduser(config.trainer.default_local_dir)).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     with open_dict(config):
         config.trainer.default_local_dir = str(run_dir)
         config.opd.launched_at = LAUNCHED_AT
-    run_preflight(config, run_dir)
+    check_distillation(config, run_dir)  # with the pre-flight, which writes its report into run_dir
     configure_ray(config, run_dir)
     print(f"[opd] composed config (full copy in {run_dir / 'manifest.json'}):\n{describe(config)}", flush=True)
     manifest.rotate(run_dir / "metrics.jsonl")

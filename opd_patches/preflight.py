@@ -81,13 +81,6 @@ def load_prompts(data: str | Path | None, n: int) -> tuple[list[list[dict]], str
 # ---------------------------------------------------------------- cheap checks
 
 
-def _tokenizer(path: str):
-    from transformers import AutoTokenizer
-
-    kwargs = {} if compat._local(path) else {"local_files_only": True}
-    return AutoTokenizer.from_pretrained(str(path), **kwargs)
-
-
 def _template_source(tokenizer, path: str) -> str:
     local = compat._local(path)
     if local is not None and (local / "chat_template.jinja").exists():
@@ -112,9 +105,11 @@ def first_difference(a: str, b: str) -> int:
     return min(len(a), len(b))
 
 
-def check_chat_template(student: str, teacher: str, prompts: list[list[dict]]) -> dict:
-    """Both tokenizers render (and encode) every prompt identically; raise PreflightError otherwise."""
-    s_tok, t_tok = _tokenizer(student), _tokenizer(teacher)
+def check_chat_template(student: str, teacher: str, prompts: list[list[dict]], tokenizers: dict | None = None) -> dict:
+    """Both tokenizers render (and encode) every prompt identically; raise PreflightError otherwise.
+    `tokenizers`: {path: tokenizer} already loaded (compat.load_tokenizers), else loaded here."""
+    tokenizers = tokenizers if tokenizers is not None else compat.load_tokenizers(student, teacher)
+    s_tok, t_tok = tokenizers[student], tokenizers[teacher]
     for i, messages in enumerate(prompts):
         s_text = _render(s_tok, messages, "student", student)
         t_text = _render(t_tok, messages, "teacher", teacher)
@@ -296,6 +291,7 @@ def run_preflight(
     dtype: str | None = None,
     chunk_size: int = 256,
     out: str | Path | None = None,
+    tokenizers: dict | None = None,
 ) -> dict:
     """The pre-flight report (a JSON-able dict); raises PreflightError on an incompatibility.
 
@@ -303,6 +299,8 @@ def run_preflight(
     strict=False returns a report with `skipped` instead of raising when a model is not available locally
     (a hub id not in the cache); strict=True raises PreflightError then.
     out: also write the report there (written with `ok: false` and the error before raising).
+    tokenizers: {path: tokenizer} already loaded (compat.load_tokenizers; main.py shares them with its own
+    checks); else each model's tokenizer is loaded here, once.
     """
     student, teacher = str(student), str(teacher)
     t0 = time.perf_counter()
@@ -314,8 +312,9 @@ def run_preflight(
                        "uniform_fraction": UNIFORM_FRACTION},
     }
     try:
+        tokenizers = tokenizers if tokenizers is not None else compat.load_tokenizers(student, teacher)
         try:
-            report["vocab"] = compat.check_vocab(student, teacher)
+            report["vocab"] = compat.check_vocab(student, teacher, tokenizers)
         except compat.IncompatibleModels as exc:
             raise PreflightError(f"vocabulary mismatch: {exc}") from exc
         if not report["vocab"].get("checked"):
@@ -325,13 +324,13 @@ def run_preflight(
             return report
         messages, source = load_prompts(data, prompts)
         report["prompt_source"] = source
-        report["chat_template"] = check_chat_template(student, teacher, messages)
+        report["chat_template"] = check_chat_template(student, teacher, messages, tokenizers)
         report["warnings"] += report["chat_template"].pop("warnings")
         report["timing_s"]["cheap"] = round(time.perf_counter() - t0, 3)
         if full:
             t1 = time.perf_counter()
             dev, dt = _device_dtype(device, dtype)
-            tok = _tokenizer(student)
+            tok = tokenizers[student]
             s_model = _load_model(student, dev, dt)
             t_model = s_model if Path(student).expanduser().resolve() == Path(teacher).expanduser().resolve() \
                 else _load_model(teacher, dev, dt)

@@ -1,5 +1,6 @@
 """Shared fixtures: the embedded tiny models (built once, cached in .cache/) and the smoke run."""
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -8,6 +9,8 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPES = ("k1", "topk", "topk_tail")
+# As in every Ray process of a run: importing verl registers opd_patches (opd_patches/registered.py).
+os.environ["VERL_USE_EXTERNAL_MODULES"] = "opd_patches.registered"
 
 
 @pytest.fixture(scope="session", autouse=True)

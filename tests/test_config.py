@@ -144,7 +144,7 @@ def test_colocated_placement_selects_the_colocated_teacher(recipe, tmp_path, mon
     main.configure_ray(c, tmp_path)
     ray_init = c.ray_kwargs.ray_init
     assert ray_init.num_gpus == 1  # the student's GPU only
-    assert ray_init.runtime_env.env_vars.VERL_USE_EXTERNAL_MODULES == "opd_patches,opd_patches.teacher.trainer"
+    assert ray_init.runtime_env.env_vars.VERL_USE_EXTERNAL_MODULES == "opd_patches.registered,opd_patches.teacher.trainer"
 
 
 def test_missing_paths_are_reported_by_key(tmp_path):

@@ -38,7 +38,7 @@ def test_async_standalone_modes_are_left_alone():
 
 def test_modes_registered_in_a_fresh_process_through_the_env_var():
     env = {k: v for k, v in os.environ.items() if k not in ("VERL_USE_EXTERNAL_MODULES", "VERL_PLATFORM")}
-    env["VERL_USE_EXTERNAL_MODULES"] = "opd_patches,opd_patches.ops.trainer,opd_patches.teacher.trainer"
+    env["VERL_USE_EXTERNAL_MODULES"] = "opd_patches.registered,opd_patches.ops.trainer,opd_patches.teacher.trainer"
     out = subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, timeout=180)
     assert out.returncode == 0, out.stderr[-3000:]
     assert json.loads(out.stdout.splitlines()[-1]) == {"opd_sync": True, "colocated_teacher": True}

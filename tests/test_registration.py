@@ -1,4 +1,6 @@
-"""opd_patches reaches a process through VERL_USE_EXTERNAL_MODULES, idempotently, and only for the pinned VERL.
+"""opd_patches reaches a process through VERL_USE_EXTERNAL_MODULES, idempotently, and only for the pinned VERL;
+a plain `import opd_patches` registers nothing and imports no VERL (the evaluation, data and statistics
+commands start without VERL's import cost).
 
 Each check runs in a fresh interpreter: registration is a side effect of import, so an in-process
 test would only see whatever an earlier test imported.
@@ -37,7 +39,7 @@ def probe(code=PROBE, **env):
 
 
 def test_registered_in_a_fresh_process_through_the_env_var():
-    out = probe(VERL_USE_EXTERNAL_MODULES="opd_patches")
+    out = probe(VERL_USE_EXTERNAL_MODULES="opd_patches.registered")
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout.splitlines()[-1]) == dict.fromkeys(
         ("platform_cpu", "replica_hf", "rollout_hf", "topk_patch", "gloo_patch"), True)
@@ -52,7 +54,7 @@ def test_nothing_registered_without_the_env_var():
 
 def test_register_is_idempotent():
     code = "import opd_patches, verl\n" "opd_patches.register(); opd_patches.register()\n" + PROBE
-    out = probe(code, VERL_USE_EXTERNAL_MODULES="opd_patches")
+    out = probe(code, VERL_USE_EXTERNAL_MODULES="opd_patches.registered")
     assert out.returncode == 0, out.stderr
     assert all(json.loads(out.stdout.splitlines()[-1]).values())
 
@@ -63,10 +65,25 @@ def test_wrong_verl_version_fails_with_a_clear_message():
         import importlib.metadata as md
         real = md.version
         md.version = lambda name: "0.8.0" if name == "verl" else real(name)
-        import opd_patches
+        import opd_patches.registered
         """
     )
     out = probe(code)
     assert out.returncode != 0
     assert "pinned to verl==0.9.1 but verl==0.8.0 is installed" in out.stderr
     assert "make install" in out.stderr
+
+
+def test_importing_the_package_is_cheap():
+    """No VERL (nor torch) until something asks for registration; the commands that need neither start fast."""
+    code = ("import sys, opd_patches, opd_patches.eval.__main__, opd_patches.data.__main__, opd_patches.stats\n"
+            "print(json.dumps({m: m in sys.modules for m in ('verl', 'torch', 'ray')}))")
+    out = probe("import json\n" + code, VERL_USE_EXTERNAL_MODULES="opd_patches.registered")
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout.splitlines()[-1]) == {"verl": False, "torch": False, "ray": False}
+
+
+def test_plain_import_registers_nothing():
+    out = probe("import opd_patches, verl\n" + PROBE)
+    assert out.returncode == 0, out.stderr
+    assert not any(json.loads(out.stdout.splitlines()[-1]).values())

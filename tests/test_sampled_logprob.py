@@ -226,14 +226,16 @@ def test_end_to_end_patched_path_matches_upstream(logprob_run_pair):
     assert on["actor/distillation/loss"] == pytest.approx(off["actor/distillation/loss"], abs=1e-2)
 
 
-def test_a_fresh_process_gets_the_patch_from_importing_opd_patches():
-    """What VERL_USE_EXTERNAL_MODULES=opd_patches does in every Ray worker."""
+def test_a_fresh_process_gets_the_patch_through_the_env_var():
+    """What VERL_USE_EXTERNAL_MODULES=opd_patches.registered does in every Ray worker."""
+    import os
     import subprocess
     import sys
 
-    code = ("import opd_patches, verl.utils.torch_functional as F; "
+    code = ("import verl.utils.torch_functional as F; "
             "assert getattr(F.logprobs_from_logits_v2, '_opd_patched', False); print('patched')")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    env = {**os.environ, "VERL_USE_EXTERNAL_MODULES": "opd_patches.registered"}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and proc.stdout.strip() == "patched", proc.stderr[-2000:]
 
 

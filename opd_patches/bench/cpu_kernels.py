@@ -29,7 +29,9 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--variants", nargs="+", default=ALL)
     args = parser.parse_args(argv)
-    import opd_patches  # noqa: F401
+    import opd_patches
+
+    opd_patches.register()  # the wrappers the real paths go through
 
     base = SIZES["cpu"]
     size = dataclasses.replace(

@@ -54,7 +54,9 @@ def main(argv=None) -> int:
     if size.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit(f"[bench] size {size_name} needs a CUDA GPU; use --size cpu (SIZE=cpu) here.")
     fn = phase_fn(args.phase)
-    import opd_patches  # noqa: F401  (the registered losses and the wrappers the real paths go through)
+    import opd_patches
+
+    opd_patches.register()  # the registered losses and the wrappers the real paths go through
 
     entry = fn(size, args)
     results.merge(args.out, args.phase, entry)

@@ -5,6 +5,6 @@
 - `prepare`: reading DAPO-Math-17k-style or plain {problem, answer} rows, the pipeline and its report;
   `python -m opd_patches.data SRC --out DIR` (what `make data SRC=...` runs).
 
-These modules need only pandas and pyarrow themselves (no torch, no model); importing the `opd_patches`
-package around them also registers its VERL hooks, which takes a few seconds.
+These modules need only pandas and pyarrow themselves (no torch, no model); the `opd_patches` package
+around them imports no VERL either (registration is `opd_patches.register()`).
 """

@@ -160,7 +160,9 @@ def group(differences: dict) -> dict:
 def check_valid(cfg) -> str | None:
     """None when upstream accepts the composed config, else the reason (validation output silenced)."""
     os.environ.setdefault("VERL_PLATFORM", "cpu")
-    import opd_patches  # noqa: F401  (registers the project's losses: loss_mode names are checked against them)
+    import opd_patches
+
+    opd_patches.register()  # the project's losses: loss_mode names are checked against them
     from omegaconf import OmegaConf
     from verl.trainer.ppo.utils import need_critic, need_reference_policy
     from verl.utils.config import omega_conf_to_dataclass, validate_config
