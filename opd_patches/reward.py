@@ -31,7 +31,12 @@ def prompt_opens_thought(tokenizer: str) -> bool:
 
     from opd_patches.prompt import opens_thought
 
-    return opens_thought(AutoTokenizer.from_pretrained(tokenizer))
+    try:
+        loaded = AutoTokenizer.from_pretrained(tokenizer)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"reward.custom_reward_function.reward_kwargs.tokenizer={tokenizer!r}: no tokenizer loads from "
+                         f"it ({exc}); point it at the policy's model or tokenizer folder") from exc
+    return opens_thought(loaded)
 
 
 def compute_score(data_source, solution_str, ground_truth, extra_info=None, timeout_s=DEFAULT_TIMEOUT_S,

@@ -289,13 +289,13 @@ RECOMMENDED = ["reward.custom_reward_function.path=pkg://opd_patches.reward",
                "reward.custom_reward_function.name=compute_score"]
 
 
-def compose_k1(*overrides):
+def compose_k1(model, *overrides):
     from hydra import compose, initialize_config_dir
 
     with initialize_config_dir(config_dir=str(REPO / "recipes"), version_base=None):
         return compose(
             config_name="k1",
-            overrides=["hydra.searchpath=[pkg://verl.trainer.config]", "actor_rollout_ref.model.path=/models/s",
+            overrides=["hydra.searchpath=[pkg://verl.trainer.config]", f"actor_rollout_ref.model.path={model}",
                        *overrides],
         )
 
@@ -305,10 +305,11 @@ def compose_k1(*overrides):
     [RECOMMENDED, [f"reward.custom_reward_function.path={REPO / 'opd_patches' / 'reward.py'}"]],
     ids=["pkg", "file"],
 )
-def test_verl_loader_accepts_the_recipe_keys(overrides):
+def test_verl_loader_accepts_the_recipe_keys(overrides, embedded):
     from verl.trainer.ppo.reward import get_custom_reward_fn
 
-    config = compose_k1(*overrides)
+    config = compose_k1(embedded["student"], *overrides)
+    assert config.reward.custom_reward_function.reward_kwargs.tokenizer == str(embedded["student"])
     fn = get_custom_reward_fn(config)
     assert fn is not None
     # called as VERL's naive reward manager calls it
@@ -316,7 +317,7 @@ def test_verl_loader_accepts_the_recipe_keys(overrides):
     assert out["score"] == 1.0
 
 
-def test_verl_naive_reward_manager_end_to_end():
+def test_verl_naive_reward_manager_end_to_end(embedded):
     """VERL's reward-loop path: load_reward_manager + NaiveRewardManager.run_single on a DataProto
     (it calls the function in an executor thread, where signal-based timeouts would fail)."""
     from verl import DataProto
@@ -339,7 +340,7 @@ def test_verl_naive_reward_manager_end_to_end():
         )
 
     # reward_kwargs reach the function: a short timeout for the hung sample
-    config = compose_k1(*RECOMMENDED, "+reward.custom_reward_function.reward_kwargs.timeout_s=1.0")
+    config = compose_k1(embedded["student"], *RECOMMENDED, "+reward.custom_reward_function.reward_kwargs.timeout_s=1.0")
 
     async def main():
         manager = load_reward_manager(config, CharTokenizer())

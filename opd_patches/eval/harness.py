@@ -65,7 +65,8 @@ def _check_config(out: Path, config: dict) -> None:
     if path.exists():
         old = json.loads(path.read_text())
         diff = [f"{k}: {old.get(k)!r} -> {config[k]!r}" for k in MUST_MATCH if old.get(k) != config[k]]
-        config.setdefault("backend", old.get("backend"))  # kept when a resume generates nothing
+        for key in ("backend", "prompt_opens_thought"):  # kept when a resume generates nothing
+            config.setdefault(key, old.get(key))
         if diff:
             raise ValueError(
                 f"{out} holds an evaluation with other settings ({'; '.join(diff)}); its samples would mix. "
