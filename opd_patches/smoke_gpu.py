@@ -1,14 +1,17 @@
 """The GPU smoke behind `make smoke-gpu`: the path users run, end to end, on one GPU with vLLM.
 
     python -m opd_patches.smoke_gpu [--part train|eval|all] [--recipe topk] [--out outputs/smoke-gpu]
-        [--steps 2] [--max-response-length 1024] [--limit 16] [--timeout 570]
+        [--steps 2] [--save-after N] [--max-response-length 1024] [--limit 16] [--timeout 570]
 
 train: random-weight R1-Distill-Qwen-1.5B-architecture student (seed 0) and teacher (seed 1), built in
     code (opd_patches/embedded/r1_arch.py), trained by `run.sh recipe=R` with `DEVICE=gpu`: vLLM rollout
     (recipes/device/gpu.yaml), the colocated teacher and the FSDP update, for 2 steps on the embedded
     prompts, responses capped at 1,024 tokens, one save after the last step (state, HF export, export
-    validation, receipt). Checked: exit status 0, every step in metrics.jsonl, the last state complete
-    and its export validated (receipt.json).
+    validation, receipt). Checked: exit status 0, every step in metrics.jsonl, the saved state complete
+    and its export validated (receipt.json). `--save-after N` (N < steps) saves after step N instead,
+    so that the save's stall on training shows in the step after it (`make bench PHASE=step` does the
+    same); `--max-response-length 7168` gives the recipes' step figures (the bench's `step` rows are
+    written to smoke_gpu.json too).
 eval: that export evaluated by the vLLM evaluation backend (`python -m opd_patches.eval --backend vllm`)
     on the built-in `embedded` suite (arithmetic questions generated in code), or, when $OPD_EVAL_DATA is
     set, on its math500 and aime suites (first --limit questions). Checked: exit status 0, summary.json
@@ -37,17 +40,17 @@ def export_of(run_dir: Path, step: int) -> Path:
     return run_dir / f"global_step_{step}" / "actor" / "huggingface"
 
 
-def check_train(result: dict, run_dir: Path, steps: int) -> list[str]:
-    """What a user's two-step run promises: exit 0, every step logged, the last state validated."""
+def check_train(result: dict, run_dir: Path, steps: int, saved: int) -> list[str]:
+    """What a user's two-step run promises: exit 0, every step logged, the saved state validated."""
     problems = []
     if result["returncode"] != 0:
         problems.append(f"run.sh exit {result['returncode']} (log: {run_dir / 'run.log'})")
     logged = [row["step"] for row in result["steps"]]
     if logged != list(range(1, steps + 1)):
         problems.append(f"metrics.jsonl logged steps {logged}, expected 1..{steps}")
-    receipt_file = run_dir / f"global_step_{steps}" / "receipt.json"
+    receipt_file = run_dir / f"global_step_{saved}" / "receipt.json"
     if not receipt_file.exists():
-        problems.append(f"no {receipt_file}: the step-{steps} state is not complete")
+        problems.append(f"no {receipt_file}: the step-{saved} state is not complete")
     else:
         validation = json.loads(receipt_file.read_text()).get("validation") or {}
         if validation.get("ok") is not True:
@@ -55,16 +58,23 @@ def check_train(result: dict, run_dir: Path, steps: int) -> list[str]:
     return problems
 
 
+def saved_step(args) -> int:
+    return args.save_after or args.steps
+
+
 def train(args) -> dict:
     from opd_patches.bench import step as bench_step
 
-    overrides = [f"data.max_response_length={args.max_response_length}", f"trainer.save_freq={args.steps}",
-                 *args.override]
-    result = bench_step.run(args.recipe, args.steps, "vllm", args.out, overrides, args.timeout)
+    overrides = [f"data.max_response_length={args.max_response_length}"]
+    if saved_step(args) == args.steps:
+        overrides.append(f"trainer.save_freq={args.steps}")
+    else:  # as the bench: save_freq=1 for upstream's loop, the debug key keeps only this step's save
+        overrides += ["trainer.save_freq=1", f"opd.debug.save_steps=[{saved_step(args)}]"]
+    result = bench_step.run(args.recipe, args.steps, "vllm", args.out, overrides + args.override, args.timeout)
     run_dir = args.out / f"run_{args.recipe}"
-    problems = check_train(result, run_dir, args.steps)
-    return {**result, "run_dir": str(run_dir), "export": str(export_of(run_dir, args.steps)), "ok": not problems,
-            "problems": problems}
+    problems = check_train(result, run_dir, args.steps, saved_step(args))
+    return {**result, "run_dir": str(run_dir), "export": str(export_of(run_dir, saved_step(args))),
+            "bench": bench_step.phase_entry("full", {args.recipe: result}), "ok": not problems, "problems": problems}
 
 
 def eval_suites() -> list[str]:
@@ -72,7 +82,7 @@ def eval_suites() -> list[str]:
 
 
 def evaluate(args) -> dict:
-    export = export_of(args.out / f"run_{args.recipe}", args.steps)
+    export = export_of(args.out / f"run_{args.recipe}", saved_step(args))
     if not export.is_dir():
         return {"ok": False, "problems": [f"no export at {export}: run --part train first"]}
     runs, problems = [], []
@@ -108,6 +118,7 @@ def main(argv=None) -> int:
     ap.add_argument("--recipe", default="topk")
     ap.add_argument("--out", type=Path, default=REPO / "outputs" / "smoke-gpu")
     ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--save-after", type=int, default=None, help="save after this step only (default: the last)")
     ap.add_argument("--max-response-length", type=int, default=1024)
     ap.add_argument("--limit", type=int, default=16, help="questions per evaluation suite")
     ap.add_argument("--timeout", type=int, default=570, help="seconds for the training run")
