@@ -1,7 +1,7 @@
 # make install | smoke | smoke-gpu [PART=train|eval] | test | test-fast | vendor-check | validate CKPT=... | preflight STUDENT=... TEACHER=... | vendor
 # make checkpoints RUN=... [VERIFY=1]   (a run folder's trainer states: step, complete, export validation)
 # make patch [BASE=ref] [PATCH_FILE=opd.patch] | patch-check [BASE=ref]   (the submission patch)
-# make data SRC=... [OUT=...] | data-eval EVAL_SETS=... | eval MODEL=... SUITE=math500|aime [OUT=...] | plot RUN=...   (data, evaluation)
+# make data SRC=... [OUT=...] | data-eval EVAL_SETS=... | eval MODEL=... SUITE=math500|aime|embedded [OUT=...] | plot RUN=...   (data, evaluation)
 # make bench [PHASE=kernels|teacher|step|layout] [SIZE=full|cpu] [OUT=bench.json] | bench-cpu-kernels | bench-logprob   (performance)
 # make study SPEC=recipes/studies/....yaml [OUT=...] [STUDY_ARGS=...] | arms CONTROL=k1 TREATMENT=topk   (studies)
 # make wheelhouse PROFILE=gpu|cpu [DIR=...] [TORCH_FROM=...] | install WHEELHOUSE=DIR   (installs without network)
@@ -114,7 +114,7 @@ data-eval: $(DEPS)
 # Evaluation of one model on one suite (opd_patches/eval/): generations.jsonl, summary.json, scores.png.
 # EVAL_ARGS e.g. "--limit 50 --samples 2 --data-dir DIR --backend hf --verifier JUDGE".
 eval: $(DEPS)
-	@test -n "$(MODEL)" -a -n "$(SUITE)" || { echo "usage: make eval MODEL=<hf folder> SUITE=math500|aime|<protocol.yaml> [OUT=dir] [EVAL_ARGS=...]"; exit 2; }
+	@test -n "$(MODEL)" -a -n "$(SUITE)" || { echo "usage: make eval MODEL=<hf folder> SUITE=math500|aime|embedded|<protocol.yaml> [OUT=dir] [EVAL_ARGS=...]"; exit 2; }
 	$(PY) -m opd_patches.eval --model $(MODEL) --suite $(SUITE) $(if $(OUT),--out $(OUT)) $(EVAL_ARGS)
 
 # Plots of a run folder: evaluated checkpoints' scores (if any) and training curves -> RUN/plots/.
