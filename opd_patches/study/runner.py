@@ -5,8 +5,11 @@ what every run writes (manifest, metrics.jsonl, global_step_N/ with receipts, ru
 - `study_run.json`: the run's identity (recipe, overrides, env), written before the first launch; a later
   study with other settings for the same folder is refused (its states would mix);
 - `study_child.json`: the session id of the launched process tree; a study refuses to start a run while
-  a process of an earlier launch still lives (e.g. after the study itself was SIGKILLed);
+  a process of an earlier launch still lives (after waiting LEFTOVER_WAIT_S for it to end);
 - `run.log`: run.sh's output (appended per launch).
+
+Each launch runs under `opd_patches.study.guard` (the leader of the run's session), which takes the
+whole tree down (Ray's processes included) when the study dies, even by SIGKILL.
 
 A run is *complete* when its run_summary.json says finished (with at least the budget's steps) or
 wall_clock, and a complete (receipted) state exists; *failed* when it says non_finite (not retried:
@@ -18,7 +21,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -27,12 +29,15 @@ from pathlib import Path
 
 from opd_patches.ops import checkpoints, receipts
 from opd_patches.ops import summary as run_summary
+from opd_patches.study import guard
+from opd_patches.study.guard import session_pids
 from opd_patches.study.spec import REPO, Spec, seed_overrides
 
 IDENTITY = "study_run.json"
 CHILD = "study_child.json"
 DONE_STATUSES = ("finished", "wall_clock")
 POLL_S = 2.0
+LEFTOVER_WAIT_S = 60.0  # a killed study's guard may still be stopping the tree when the study is relaunched
 
 
 class StudyError(RuntimeError):
@@ -114,17 +119,6 @@ def check_identity(plan: RunPlan) -> None:
         receipts.atomic_write_json(path, mine)
 
 
-def session_pids(sid: int) -> list[int]:
-    """Live processes of session `sid` (from ps; zombies excluded)."""
-    out = subprocess.run(["ps", "-eo", "pid=,sid=,stat="], capture_output=True, text=True).stdout
-    pids = []
-    for line in out.splitlines():
-        parts = line.split()
-        if len(parts) >= 3 and int(parts[1]) == sid and not parts[2].startswith("Z") and int(parts[0]) != os.getpid():
-            pids.append(int(parts[0]))
-    return pids
-
-
 def check_no_leftover(plan: RunPlan) -> None:
     path = plan.run_dir / CHILD
     if not path.exists():
@@ -133,44 +127,31 @@ def check_no_leftover(plan: RunPlan) -> None:
         sid = int(json.loads(path.read_text())["sid"])
     except (ValueError, KeyError, TypeError):
         return
-    alive = session_pids(sid)
+    deadline = time.monotonic() + LEFTOVER_WAIT_S
+    while (alive := session_pids(sid)) and time.monotonic() < deadline:
+        time.sleep(1)
     if alive:
         raise StudyError(f"{plan.label}: processes of an earlier launch of this run still live (session {sid}, pids "
                          f"{alive[:8]}); stop them (kill -- -{sid}) or wait, then start the study again")
 
 
 def stop_session(proc: subprocess.Popen, grace_s: float = 20.0) -> None:
-    """SIGTERM the child's process group, SIGKILL what is left after `grace_s`, then any process left in
-    its session (Ray starts some helpers in process groups of their own)."""
-    sid = proc.pid
-    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
-        try:
-            os.killpg(sid, sig)
-        except ProcessLookupError:
-            pass
-        try:
-            proc.wait(timeout=wait)
-            break
-        except subprocess.TimeoutExpired:
-            continue
-    deadline = time.monotonic() + 10
-    while (left := session_pids(sid)) and time.monotonic() < deadline:
-        for pid in left:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        time.sleep(0.5)
+    """SIGTERM the guard (it stops its command's group within guard.GRACE_S), SIGKILL it after `grace_s`,
+    then any process left in its session."""
+    guard.stop_group(proc, grace_s)
+    guard.kill_session(proc.pid, timeout=10)
 
 
 def run_child(cmd: list[str], env: dict, log_path: Path, child_file: Path | None = None, poll=None) -> int:
-    """Run `cmd` in its own session with output appended to `log_path`; `poll()` is called every POLL_S
-    (its non-empty return is printed). Stops the whole session if this process is interrupted."""
+    """Run `cmd` in its own session, under the guard, with output appended to `log_path`; `poll()` is called
+    every POLL_S (its non-empty return is printed). Stops the whole session if this process is interrupted;
+    the guard stops it if this process dies."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "a") as log:
         log.write(f"\n[study] {time.strftime('%Y-%m-%d %H:%M:%S')} launching: {' '.join(cmd)}\n")
         log.flush()
-        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        guarded = [sys.executable, "-m", "opd_patches.study.guard", str(os.getpid()), "--", *cmd]
+        proc = subprocess.Popen(guarded, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         if child_file is not None:
             receipts.atomic_write_json(child_file, {"pid": proc.pid, "sid": proc.pid, "cmd": cmd[:3]})
         try:
@@ -185,11 +166,7 @@ def run_child(cmd: list[str], env: dict, log_path: Path, child_file: Path | None
         except BaseException:
             stop_session(proc)
             raise
-        for pid in session_pids(proc.pid):  # the leader exited; helpers of its session go with it
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        guard.kill_session(proc.pid, timeout=10)  # the leader exited; helpers of its session go with it
     if poll is not None and (line := poll()):
         print(line, flush=True)
     return code
