@@ -157,7 +157,8 @@ def build(profile, folder, torch_from):
             return
         listing = folder / ".download.txt"
         listing.write_text("\n".join(reqs) + "\n")
-        cmd = pip + ["download", "--no-deps", "--only-binary=:all:", *target, "-d", folder, "-r", listing, *extra]
+        cmd = pip + ["download", "--no-deps", "--only-binary=:all:", "--progress-bar", "off", *target, "-d", folder,
+                     "-r", listing, *extra]
         if run(cmd, env=env).returncode:
             die(f"pip could not download every wheel of {listing} (reason above)")
         listing.unlink()
@@ -168,9 +169,13 @@ def build(profile, folder, torch_from):
             die(f"{', '.join(torchish)}: a local build in the resolution, but no --torch-from source")
         download(torchish, ["--find-links", src] if Path(src).is_dir() else ["--extra-index-url", src])
     for req in sdist_only:  # published as sdist only: built here, so it must be pure Python
-        if run(pip + ["wheel", "--no-deps", "-w", folder, req], env=env).returncode:
+        if run(pip + ["wheel", "--no-deps", "--progress-bar", "off", "-w", folder, req], env=env).returncode:
             die(f"could not build a wheel of {req}")
-    # the pip build may need setuptools etc. for `pip install -e .`: setuptools is in the resolution.
+        name, version = req.split("==")
+        built = [f.name for f in folder.glob("*.whl") if wheel_key(f.name) == (norm(name), version)]
+        if profile == "gpu" and not all(b.endswith("-none-any.whl") for b in built):
+            die(f"{req} has no wheel for the target and builds a platform wheel here ({built}): pin a version "
+                f"with a manylinux wheel in requirements/gpu.txt")
     found = check_complete(folder, lock)
     verify_hashes(folder, packages)
     platform = "linux x86_64 manylinux_2_35, CPython 3.12" if profile == "gpu" else f"this machine, {sys.version.split()[0]}"
