@@ -137,7 +137,7 @@ def test_prompt_placeholders():
 
 def _record(i, response, gold):
     from opd_patches.eval.harness import _rule_grade
-    from opd_patches.eval.backends import Completion
+    from opd_patches.eval.completion import Completion
 
     item = {"id": f"q{i}", "sample": 0, "source": "t", "gold": gold, "seed": 0, "backend": "hf"}
     return _rule_grade(item, Completion(response, 5, "stop"), 10.0)
