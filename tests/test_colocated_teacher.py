@@ -12,20 +12,15 @@ larger scale (fixed seed), so the top-k are well separated.
 
 import os
 
-os.environ["VERL_PLATFORM"] = "cpu"  # before any VERL platform query; importing opd_patches registers "cpu"
+os.environ["VERL_PLATFORM"] = "cpu"  # before any VERL platform query; importing verl registers "cpu" (conftest)
 
-import ast
 import copy
-import importlib.util
 import json
 import re
 import subprocess
 import sys
-import types
 from pathlib import Path
-from typing import Optional
 
-import opd_patches  # noqa: F401  (registers the cpu platform, the hf backend and the losses)
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
@@ -36,7 +31,7 @@ from verl.trainer.ppo.v1 import AgentLoopManagerTQ, get_trainer_cls
 from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 
 
-from conftest import sharpened
+from model_refs import fake_vllm_output, sharp_path_fixture, upstream_extractor
 from opd_patches.teacher import scoring, trainer  # noqa: F401  (trainer: registers "colocated_teacher")
 from opd_patches.teacher.agent_loop import ColocatedTeacherAgentLoopManager, without_teacher_server
 from opd_patches.teacher.worker import ColocatedTeacher, ColocatedTeacherWorker
@@ -52,10 +47,7 @@ def assets(embedded):
     return embedded  # conftest: the embedded models, built once
 
 
-@pytest.fixture(scope="module")
-def sharp_path(assets, tmp_path_factory):
-    """The teacher with its matrices re-drawn at std 0.3: same architecture, tokenizer and configs."""
-    return sharpened(assets["teacher"], tmp_path_factory.mktemp("sharp_teacher"), seed=321)
+sharp_path = sharp_path_fixture("teacher", seed=321)
 
 
 @pytest.fixture(scope="module")
@@ -67,32 +59,6 @@ def sharp(sharp_path):
 def sequences(sharp):
     g = torch.Generator().manual_seed(11)
     return [torch.randint(3, sharp.config.vocab_size, (n,), generator=g) for n in LENGTHS]
-
-
-def upstream_extractor():
-    """VERL's `extract_prompt_logprobs`, compiled from the installed verl's source (its module
-    imports vLLM, which the CPU venv does not have; the function itself needs only typing)."""
-    root = Path(importlib.util.find_spec("verl").submodule_search_locations[0])
-    tree = ast.parse((root / "workers/rollout/vllm_rollout/utils.py").read_text())
-    fn = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "extract_prompt_logprobs")
-    ns = {"Optional": Optional, "RequestOutput": object}
-    exec(compile(ast.Module(body=[fn], type_ignores=[]), "verl_extract_prompt_logprobs", "exec"), ns)
-    return ns["extract_prompt_logprobs"]
-
-
-def fake_vllm_output(logp, ids, k):
-    """vLLM's answer to `prompt_logprobs=k`: None for token 0, then per later token a
-    {token_id: Logprob(logprob, rank)} dict with that token and (k > 0) the top-k."""
-    entries = [None]
-    for j in range(1, len(ids)):
-        row, tok = logp[j - 1], ids[j]
-        rank = lambda t: int((row > row[t]).sum()) + 1  # noqa: E731  (vLLM's 1-based rank)
-        d = {tok: types.SimpleNamespace(logprob=row[tok].item(), rank=rank(tok))}
-        if k > 0:
-            for t in row.topk(k).indices.tolist():
-                d[t] = types.SimpleNamespace(logprob=row[t].item(), rank=rank(t))
-        entries.append(d)
-    return types.SimpleNamespace(prompt_logprobs=entries)
 
 
 @torch.no_grad()

@@ -12,18 +12,13 @@ scale (fixed seed), so greedy continuations depend on the whole context and are 
 
 import os
 
-os.environ["VERL_PLATFORM"] = "cpu"  # before any VERL platform query; importing opd_patches registers "cpu"
+os.environ["VERL_PLATFORM"] = "cpu"  # before any VERL platform query; importing verl registers "cpu" (conftest)
 
-import ast
 import asyncio
-import importlib.util
 import json
 import shutil
 import types
-from pathlib import Path
-from typing import Optional
 
-import opd_patches  # noqa: F401  (registers the cpu platform and the hf backend)
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -32,7 +27,7 @@ from verl.workers.config import RolloutConfig
 
 from opd_patches.backends import hf_rollout as hr
 
-from conftest import sharpened
+from model_refs import fake_vllm_output, sharp_path_fixture, upstream_extractor
 
 PROMPTS = [
     [5, 6, 7, 8, 9],
@@ -49,10 +44,7 @@ def assets(embedded):
     return embedded  # conftest: the embedded models, built once
 
 
-@pytest.fixture(scope="session")
-def sharp_path(assets, tmp_path_factory):
-    """The student with its matrices re-drawn at std 0.3: same architecture, tokenizer and configs."""
-    return sharpened(assets["student"], tmp_path_factory.mktemp("sharp"), seed=123)
+sharp_path = sharp_path_fixture("student", seed=123, scope="session")
 
 
 @pytest.fixture(scope="session")
@@ -131,35 +123,6 @@ def assert_logprobs_match(model, prompt, out):
     logp = direct_logp(model, prompt + out.token_ids)
     expect = [logp[len(prompt) - 1 + j, t].item() for j, t in enumerate(out.token_ids)]
     assert out.log_probs == pytest.approx(expect, abs=LP_TOL)
-
-
-def upstream_extractor():
-    """VERL's `extract_prompt_logprobs`, taken verbatim from the installed verl.
-
-    Its module imports vLLM at the top, which this CPU venv does not have, so the function's own
-    source is compiled on its own (it only needs `Optional` and the `RequestOutput` annotation).
-    """
-    root = Path(importlib.util.find_spec("verl").submodule_search_locations[0])
-    tree = ast.parse((root / "workers/rollout/vllm_rollout/utils.py").read_text())
-    fn = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "extract_prompt_logprobs")
-    ns = {"Optional": Optional, "RequestOutput": object}
-    exec(compile(ast.Module(body=[fn], type_ignores=[]), "verl_extract_prompt_logprobs", "exec"), ns)
-    return ns["extract_prompt_logprobs"]
-
-
-def fake_vllm_output(logp, ids, k):
-    """What vLLM returns for `prompt_logprobs=k`: None for token 0, then for each later prompt token a
-    {token_id: Logprob(logprob, rank)} dict holding that token and (k > 0) the top-k tokens."""
-    entries = [None]
-    for j in range(1, len(ids)):
-        row, tok = logp[j - 1], ids[j]
-        rank = lambda t: int((row > row[t]).sum()) + 1  # noqa: E731  (vLLM's 1-based rank)
-        d = {tok: types.SimpleNamespace(logprob=row[tok].item(), rank=rank(tok))}
-        if k > 0:
-            for t in row.topk(k).indices.tolist():
-                d[t] = types.SimpleNamespace(logprob=row[t].item(), rank=rank(t))
-        entries.append(d)
-    return types.SimpleNamespace(prompt_logprobs=entries)
 
 
 # ---- 1. prompt log-probs -------------------------------------------------------------------------

@@ -6,7 +6,6 @@ tail_kl.tail_term_per_token for the tail; gradients from autograd through those 
 and in fp64. The lean path must match values and gradients (wrt logits, hidden states, lm_head weight).
 """
 
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -14,9 +13,11 @@ import torch
 import torch.nn.functional as F
 import verl.trainer.distillation.fsdp.losses as fsdp_losses
 
-import opd_patches  # noqa: F401  (installs the wrappers; the reference is the unwrapped original)
+import opd_patches.registered  # noqa: F401  (installs the wrappers; the reference is the unwrapped original)
 from opd_patches.losses import lean_topk as lt
 from opd_patches.losses.tail_kl import tail_term_per_token
+
+from flag_runs import run_pair
 
 UPSTREAM = getattr(fsdp_losses.compute_forward_kl_topk, "__wrapped__", fsdp_losses.compute_forward_kl_topk)
 
@@ -211,34 +212,10 @@ def test_topk_outputs_matches_upstream_keys_and_shapes():
     assert "tail_losses" in lt.topk_outputs(logits[None], ids[None], t[None], cfg, with_tail=True)
 
 
-def test_enabled_reads_the_env(monkeypatch):
-    monkeypatch.delenv(lt.ENV, raising=False)
-    assert lt.enabled() is lt.DEFAULT_ENABLED
-    monkeypatch.setenv(lt.ENV, "1")
-    assert lt.enabled()
-    monkeypatch.setenv(lt.ENV, "0")
-    assert not lt.enabled()
-    monkeypatch.setenv(lt.ENV, "yes")
-    with pytest.raises(ValueError, match="OPD_LEAN_TOPK"):
-        lt.enabled()
-
-
 @pytest.fixture(scope="module")
 def lean_run_pair(tmp_path_factory):
-    """The real 2-step CPU smoke run of `topk_tail` (VERL trainer, tiny models) with the lean path off and on."""
-    import json
-
-    from opd_patches.smoke import run_recipe
-
-    out = tmp_path_factory.mktemp("lean_pair")
-    runs = {}
-    for lean in ("false", "true"):
-        result = run_recipe("topk_tail", out / lean, 400, [f"opd.lean_topk={lean}"])
-        assert result["ok"], result
-        run_dir = Path(result["run_dir"])
-        lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-        runs[lean] = ([json.loads(line) for line in lines], (run_dir / "run.log").read_text(errors="replace"))
-    return runs
+    """The real 2-step CPU smoke run of `topk_tail` with the lean path off and on."""
+    return run_pair(tmp_path_factory.mktemp("lean_pair"), "topk_tail", "opd.lean_topk")
 
 
 def check_run_pair(runs):

@@ -14,6 +14,8 @@ import torch
 
 from opd_patches.losses import sampled_logprob as sl
 
+from flag_runs import run_pair
+
 
 def _data(shape, vocab, dtype, seed, scale=3.0):
     gen = torch.Generator().manual_seed(seed)
@@ -157,18 +159,6 @@ def test_agrees_with_upstreams_fallback(dtype):
         assert (grad.double() - ref_grad).abs().max() <= (z.grad.double() - ref_grad).abs().max()
 
 
-def test_enabled_reads_the_env(monkeypatch):
-    monkeypatch.delenv(sl.ENV, raising=False)
-    assert sl.enabled() is sl.DEFAULT_ENABLED
-    monkeypatch.setenv(sl.ENV, "0")
-    assert not sl.enabled()
-    monkeypatch.setenv(sl.ENV, "1")
-    assert sl.enabled()
-    monkeypatch.setenv(sl.ENV, "maybe")
-    with pytest.raises(ValueError, match="OPD_FAST_LOGPROBS"):
-        sl.enabled()
-
-
 def test_recipe_key_reaches_the_workers_env(tmp_path):
     """opd.fast_logprobs -> OPD_FAST_LOGPROBS in Ray's runtime env (as opd.lean_topk -> OPD_LEAN_TOPK)."""
     from omegaconf import OmegaConf
@@ -191,17 +181,7 @@ def test_recipe_key_reaches_the_workers_env(tmp_path):
 
 @pytest.fixture(scope="module")
 def logprob_run_pair(tmp_path_factory):
-    from opd_patches.smoke import run_recipe
-
-    out = tmp_path_factory.mktemp("fast_logprobs_pair")
-    runs = {}
-    for fast in ("false", "true"):
-        result = run_recipe("k1", out / fast, 400, [f"opd.fast_logprobs={fast}"])
-        assert result["ok"], result
-        run_dir = Path(result["run_dir"])
-        rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-        runs[fast] = (rows, (run_dir / "run.log").read_text(errors="replace"))
-    return runs
+    return run_pair(tmp_path_factory.mktemp("fast_logprobs_pair"), "k1", "opd.fast_logprobs")
 
 
 @pytest.mark.slow
