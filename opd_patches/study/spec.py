@@ -148,12 +148,18 @@ def _number(path, key, value, kind=(int, float), positive=True):
     return value
 
 
-def _budget(path, raw) -> dict:
+def _section(path, key: str, raw, known, shape: str) -> dict:
+    """`raw`, a mapping of known keys only; otherwise the error names the key (`shape`: what it should be)."""
     if not isinstance(raw, dict):
-        raise _err(path, "budget", "must be a mapping: {steps: N} and/or {wall_clock_s: S, reserve_s: R}")
+        raise _err(path, key, f"must be a mapping {shape}")
     for k in raw:
-        if k not in BUDGET_KEYS:
-            raise _err(path, f"budget.{k}", f"unknown key; known: {', '.join(BUDGET_KEYS)}")
+        if k not in known:
+            raise _err(path, f"{key}.{k}", f"unknown key; known: {', '.join(known)}")
+    return raw
+
+
+def _budget(path, raw) -> dict:
+    _section(path, "budget", raw, BUDGET_KEYS, "{steps: N} and/or {wall_clock_s: S, reserve_s: R}")
     out = {"steps": _number(path, "budget.steps", raw.get("steps"), int),
            "wall_clock_s": _number(path, "budget.wall_clock_s", raw.get("wall_clock_s")),
            "reserve_s": _number(path, "budget.reserve_s", raw.get("reserve_s"), positive=False)}
@@ -166,11 +172,7 @@ def _budget(path, raw) -> dict:
 
 
 def _eval(path, raw) -> dict:
-    if not isinstance(raw, dict):
-        raise _err(path, "eval", "must be a mapping with at least `suites: [math500]`")
-    for k in raw:
-        if k not in EVAL_KEYS:
-            raise _err(path, f"eval.{k}", f"unknown key; known: {', '.join(EVAL_KEYS)}")
+    _section(path, "eval", raw, EVAL_KEYS, "with at least `suites: [math500]`")
     suites = raw.get("suites")
     if isinstance(suites, str):
         suites = [suites]
