@@ -3,9 +3,11 @@
 2 samples x 16 tokens on each run's last checkpoint, then the report.
 
 One study is shared by every assertion: it is killed (SIGTERM to its process group, as a terminal's
-Ctrl-C or a scheduler would) once the first run is complete and the second has started, then the same
-command is run again to the end: the first run must be skipped (never relaunched), the second resumed,
-the rest trained, evaluated and reported. Questions come from ../shared/data/math (skipped where absent).
+Ctrl-C or a scheduler would) once the first run is complete and the second has started; relaunched, it
+is killed again with SIGKILL (no clean-up of its own) once the third run's Ray is up: the guard of that
+run (opd_patches/study/guard.py) must take down every process of the training. Then the same command
+is run to the end: complete runs must be skipped (never relaunched), the third resumed, the rest
+trained, evaluated and reported. Questions come from ../shared/data/math (skipped where absent).
 """
 
 import json
@@ -16,6 +18,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from opd_patches.ops import checkpoints
@@ -26,6 +29,33 @@ DATA = REPO.parent / "shared" / "data" / "math"
 PNG = b"\x89PNG\r\n\x1a\n"
 RUNS = [("k1", 1), ("k1", 2), ("topk", 1), ("topk", 2)]
 pytestmark = pytest.mark.slow
+
+
+def _wait_gone(pids: list[int], timeout: float) -> list[int]:
+    def alive():
+        out = []
+        for pid in pids:
+            try:
+                if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                    out.append(pid)
+            except psutil.NoSuchProcess:
+                pass
+        return out
+
+    deadline = time.monotonic() + timeout
+    while (left := alive()) and time.monotonic() < deadline:
+        time.sleep(1)
+    return left
+
+
+def _wait_up(proc, child_file: Path, timeout: float) -> bool:
+    """Wait until `child_file`'s run has been up for a while (Ray started); False if the study ended first."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        if child_file.exists() and time.time() - child_file.stat().st_mtime > 25:
+            break
+        time.sleep(2)
+    return proc.poll() is None
 
 
 def _wait_session_empty(sid: int, timeout: float) -> list[int]:
@@ -47,25 +77,32 @@ def study(tmp_path_factory, embedded):
     seen = {}
     with open(first_log, "w") as log:
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        deadline = time.monotonic() + 900
         # kill once run 1 is complete and run 2's process tree has been up for a while (Ray started)
-        while time.monotonic() < deadline and proc.poll() is None:
-            child = run[RUNS[1]] / runner.CHILD
-            if child.exists() and time.time() - child.stat().st_mtime > 25:
-                break
-            time.sleep(2)
-        seen["first_still_running"] = proc.poll() is None
-        seen["run1_at_kill"] = [(s["step"], s["complete"]) for s in checkpoints.list_states(run[RUNS[0]])]
+        seen["first_still_running"] = _wait_up(proc, run[RUNS[1]] / runner.CHILD, 900)
         os.killpg(proc.pid, signal.SIGTERM)
+        seen["run1_at_kill"] = [(s["step"], s["complete"]) for s in checkpoints.list_states(run[RUNS[0]])]
         proc.wait(timeout=60)
         seen["study_left"] = _wait_session_empty(proc.pid, 90)  # the study stops its run, then exits
         child = json.loads((run[RUNS[1]] / runner.CHILD).read_text())
         seen["run2_left"] = _wait_session_empty(child["sid"], 30)
         for pid in seen["study_left"] + seen["run2_left"]:  # never leave a stray tree behind a failed assertion
             os.kill(pid, signal.SIGKILL)
-    second = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1500)
-    (out.parent / "second.log").write_text(second.stdout + second.stderr)  # for a failed assertion's reader
-    return {"out": out, "run": run, "first": first_log.read_text(), "second": second, "seen": seen}
+    second_log = out.parent / "second.log"
+    with open(second_log, "w") as log:  # SIGKILL (make and the study at once) while run 3 trains
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        child_file = run[RUNS[2]] / runner.CHILD
+        running = _wait_up(proc, child_file, 1200)
+        sid = json.loads(child_file.read_text())["sid"] if child_file.exists() else None
+        tree = sorted({sid, *runner.session_pids(sid)}) if sid else []  # the guard and its session
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=60)
+        seen.update(second_still_running=running, killed_tree=tree, killed_left=_wait_gone(tree, 90))
+        for pid in seen["killed_left"]:
+            os.kill(pid, signal.SIGKILL)
+    last = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1500)
+    (out.parent / "last.log").write_text(last.stdout + last.stderr)  # for a failed assertion's reader
+    return {"out": out, "run": run, "first": first_log.read_text(), "second": second_log.read_text(),
+            "last": last, "seen": seen}
 
 
 def test_kill_stops_the_study_and_its_run(study):
@@ -79,13 +116,21 @@ def test_kill_stops_the_study_and_its_run(study):
     assert (2, True) in seen["run1_at_kill"]
 
 
-def test_resume_skips_the_complete_run(study):
-    second, run = study["second"], study["run"]
-    assert second.returncode == 0, second.stdout[-4000:] + second.stderr[-4000:]
-    out = second.stdout
-    assert "start: 2 arms x 2 seeds = 4 runs: 1 complete" in out, out
+def test_sigkill_of_the_study_stops_its_run(study):
+    seen, second = study["seen"], study["second"]
+    assert seen["second_still_running"], second
+    assert "run 2/4 k1 seed 2: resuming" in second and "run 3/4 topk seed 1: starting" in second, second
+    assert len(seen["killed_tree"]) > 3, seen  # the guard, run.sh's python and Ray's processes
+    assert seen["killed_left"] == [], seen  # none outlives the SIGKILLed study
+
+
+def test_resume_skips_the_complete_runs(study):
+    last, run = study["last"], study["run"]
+    assert last.returncode == 0, last.stdout[-4000:] + last.stderr[-4000:]
+    out = last.stdout
+    assert "start: 2 arms x 2 seeds = 4 runs: 2 complete" in out, out
     assert "run 1/4 k1 seed 1: complete (finished after step 2" in out and "skipped" in out
-    assert "run 2/4 k1 seed 2: resuming" in out
+    assert "run 3/4 topk seed 1: resuming" in out
     first = json.loads((run[RUNS[0]] / "study_result.json").read_text())
     assert first["launches"] == 1 and not (run[RUNS[0]] / "metrics.1.jsonl").exists()  # never relaunched
     assert json.loads((run[RUNS[1]] / "study_result.json").read_text())["launches"] == 2
@@ -116,4 +161,4 @@ def test_report_table_and_chart(study):
     [group] = data["groups"]
     assert set(group["arms"]) == {"k1", "topk"} and set(group["arms"]["k1"]["per_seed"]) == {"1", "2"}
     assert group["diffs"]["topk"]["n_common"] == 3
-    assert "report: " in study["second"].stdout
+    assert "report: " in study["last"].stdout
