@@ -18,34 +18,18 @@ import sys
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 
 from opd_patches.ops import checkpoints
 from opd_patches.study import runner
+
+from test_study_guard import wait_gone
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO.parent / "shared" / "data" / "math"
 PNG = b"\x89PNG\r\n\x1a\n"
 RUNS = [("k1", 1), ("k1", 2), ("topk", 1), ("topk", 2)]
 pytestmark = pytest.mark.slow
-
-
-def _wait_gone(pids: list[int], timeout: float) -> list[int]:
-    def alive():
-        out = []
-        for pid in pids:
-            try:
-                if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                    out.append(pid)
-            except psutil.NoSuchProcess:
-                pass
-        return out
-
-    deadline = time.monotonic() + timeout
-    while (left := alive()) and time.monotonic() < deadline:
-        time.sleep(1)
-    return left
 
 
 def _wait_up(proc, child_file: Path, timeout: float) -> bool:
@@ -96,7 +80,7 @@ def study(tmp_path_factory, embedded):
         tree = sorted({sid, *runner.session_pids(sid)}) if sid else []  # the guard and its session
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=60)
-        seen.update(second_still_running=running, killed_tree=tree, killed_left=_wait_gone(tree, 90))
+        seen.update(second_still_running=running, killed_tree=tree, killed_left=wait_gone(tree, 90))
         for pid in seen["killed_left"]:
             os.kill(pid, signal.SIGKILL)
     last = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1500)

@@ -34,7 +34,8 @@ def _alive(pids):
     return out
 
 
-def _wait_gone(pids, timeout):
+def wait_gone(pids, timeout):
+    """Those of `pids` still alive (zombies aside) after waiting up to `timeout` s for them to end."""
     deadline = time.monotonic() + timeout
     while (left := _alive(pids)) and time.monotonic() < deadline:
         time.sleep(0.2)
@@ -61,7 +62,7 @@ def test_sigkilled_study_takes_its_run_down(tmp_path):
         assert orphans, "no orphan in the tree: the test would prove less"
         study.kill()  # SIGKILL: no clean-up of its own
         study.wait(timeout=10)
-        assert _wait_gone(tree, 30) == [], [psutil.Process(p).cmdline() for p in _alive(tree)]
+        assert wait_gone(tree, 30) == [], [psutil.Process(p).cmdline() for p in _alive(tree)]
     finally:
         study.kill()
         for pid in _alive(runner.session_pids(json.loads(child_file.read_text())["sid"]) if child_file.exists() else []):
