@@ -174,6 +174,16 @@ def apply_attention(config: DictConfig) -> None:
         config.actor_rollout_ref.model.override_config.attn_implementation = attn
 
 
+def apply_old_log_prob(config: DictConfig) -> None:
+    """`opd.skip_old_log_prob` (opd_patches/teacher/old_log_prob.py): says once which pass runs."""
+    from opd_patches.teacher import old_log_prob
+
+    try:
+        print(old_log_prob.apply(config), flush=True)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
+
+
 def configure_ray(config: DictConfig, run_dir: Path) -> None:
     """Environment for every Ray process; logical GPUs on the CPU platform."""
     modules = ["opd_patches.registered"]  # its import calls opd_patches.register()
@@ -188,6 +198,10 @@ def configure_ray(config: DictConfig, run_dir: Path) -> None:
     for var in ("VERL_PLATFORM", "VERL_ENGINE_DEVICE", "PYTHONPATH"):
         if os.environ.get(var):
             env[var] = os.environ[var]
+    from opd_patches.teacher.old_log_prob import entropy_detached
+
+    if entropy_detached(config):  # upstream_patches 7: the update's entropy is a metric only
+        env["OPD_ENTROPY_DETACHED"] = "1"
     lean = config.opd.get("lean_topk")  # null: the default in opd_patches/losses/lean_topk.py
     if lean is not None:
         if not isinstance(lean, bool):
@@ -267,6 +281,7 @@ def prepare(config: DictConfig) -> Path:
     opd_patches.register()
     apply_placement(config)
     apply_attention(config)
+    apply_old_log_prob(config)
     check_paths(config)
     run_dir = Path(os.path.expanduser(config.trainer.default_local_dir)).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)

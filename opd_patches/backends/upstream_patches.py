@@ -26,6 +26,15 @@ loudly if the patched upstream function moves or changes shape.
    `from ... import logprobs_from_logits` binding (the FSDP engine's included) and nothing else:
    flash-attn and NPU keep their paths. On (env OPD_FAST_LOGPROBS, key `opd.fast_logprobs`), it runs
    the exact chunked kernel of losses/sampled_logprob.py; off, the original.
+6. Old log-probs from the update (`opd.skip_old_log_prob`, teacher/old_log_prob.py): VERL 0.9.1 has no
+   on-policy branch (old = current, detached, when one epoch and one mini-batch). `ActorRolloutRefWorker.
+   init_model` binds `distillation_ppo_loss` from its module's globals; we wrap that one name: when the
+   trainer marks the update batch, the loss gets `old_log_probs` = the forward's own log-probs, detached,
+   and, when asked, the forward's entropy as the `actor/entropy` metric.
+7. Entropy as a metric only: with the student pass skipped the update computes the entropy for
+   `actor/entropy`; at entropy_coeff 0 it contributes 0 to the loss, so (env OPD_ENTROPY_DETACHED=1)
+   `verl_F.entropy_from_logits` and its chunked twin run on detached logits: same values, no
+   (T, V) autograd graph kept for a zero gradient. The FSDP engine reads them at construction.
 """
 
 import functools
@@ -164,9 +173,56 @@ def _patch_logprobs_fallback():
     verl_F.logprobs_from_logits_v2 = logprobs_from_logits_v2
 
 
+def _patch_old_log_probs_from_update():
+    import verl.workers.engine_workers as workers
+    from verl.utils import tensordict_utils as tu
+
+    from opd_patches.teacher import old_log_prob
+
+    original = workers.distillation_ppo_loss
+    if getattr(original, _MARK, False):
+        return
+
+    @functools.wraps(original)
+    def distillation_ppo_loss(config, distillation_config, model_output=None, data=None, **kwargs):
+        if kwargs.get("student_logits") is not None or data is None:  # the logits processor: unchanged
+            return original(config, distillation_config, model_output=model_output, data=data, **kwargs)
+        if tu.get_non_tensor_data(data=data, key=old_log_prob.UPDATE_FLAG, default=False):
+            data = old_log_prob.with_current_as_old(model_output, data)
+        loss, metrics = original(config, distillation_config, model_output=model_output, data=data, **kwargs)
+        if tu.get_non_tensor_data(data=data, key=old_log_prob.ENTROPY_FLAG, default=False):
+            metrics["actor/entropy"] = old_log_prob.entropy_metric(config, model_output, data)
+        return loss, metrics
+
+    setattr(distillation_ppo_loss, _MARK, True)
+    workers.distillation_ppo_loss = distillation_ppo_loss
+
+
+def _patch_entropy_detached():
+    import os
+
+    import verl.utils.torch_functional as verl_F
+
+    if os.environ.get("OPD_ENTROPY_DETACHED") != "1":
+        return
+    for name in ("entropy_from_logits", "entropy_from_logits_with_chunking"):
+        original = getattr(verl_F, name)
+        if getattr(original, _MARK, False):
+            continue
+
+        def detached(logits, *args, _original=original, **kwargs):
+            return _original(logits.detach(), *args, **kwargs)
+
+        functools.update_wrapper(detached, original)
+        setattr(detached, _MARK, True)
+        setattr(verl_F, name, detached)
+
+
 def apply():
     _patch_init_process_group()
     _patch_topk_validation()
     _patch_topk_logits_processor()
     _patch_forward_kl_topk_metrics()
     _patch_logprobs_fallback()
+    _patch_old_log_probs_from_update()
+    _patch_entropy_detached()

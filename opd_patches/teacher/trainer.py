@@ -14,6 +14,8 @@ Settings, under `trainer.v1.colocated_teacher` (upstream's place for per-mode se
   chunk_size (2048)         positions per lm_head/log_softmax chunk
   max_token_len (null)      padded tokens per teacher forward; null: rollout.log_prob_max_token_len_per_gpu
   canary_every (1)          rescan the teacher canary (canary.py) every N scoring calls; 0: start-up check only
+  old_log_prob (compute)    the student's old-log-prob pass: compute | skip | from_update, resolved from
+                            `opd.skip_old_log_prob` by opd_patches.main (old_log_prob.py says when each holds)
 """
 
 import dataclasses
@@ -35,6 +37,7 @@ from verl.utils.import_utils import load_class_from_fqn
 from opd_patches.ops.trainer import OpsTrainerMixin
 from opd_patches.teacher.agent_loop import FQN as AGENT_LOOP_MANAGER_FQN
 from opd_patches.teacher.agent_loop import ColocatedTeacherAgentLoopManager
+from opd_patches.teacher import old_log_prob
 from opd_patches.teacher.worker import ColocatedTeacherWorker
 
 NAME = "colocated_teacher"
@@ -74,6 +77,9 @@ class ColocatedTeacherTrainer(OpsTrainerMixin, PPOTrainerSync):
         super().__init__(config)
         self.use_teacher_policy = False  # upstream: teacher servers on their own pool; here: none
         self.teacher_settings = dict(config.trainer.v1.get(NAME, None) or {})
+        self.old_log_prob_mode = self.teacher_settings.get("old_log_prob") or old_log_prob.COMPUTE
+        if self.old_log_prob_mode not in old_log_prob.MODES:
+            raise ValueError(f"trainer.v1.{NAME}.old_log_prob={self.old_log_prob_mode}: one of {old_log_prob.MODES}")
 
     def _init_resource_pool_mgr(self):
         super()._init_resource_pool_mgr()
@@ -98,7 +104,25 @@ class ColocatedTeacherTrainer(OpsTrainerMixin, PPOTrainerSync):
     def _compute_old_log_prob(self, batch, metrics):
         with marked_timer("teacher", self.timing_raw, color="purple"):
             self._compute_teacher_logprobs(batch)
-        return super()._compute_old_log_prob(batch, metrics)
+        if self.old_log_prob_mode == old_log_prob.COMPUTE:
+            return super()._compute_old_log_prob(batch, metrics)
+        return batch  # no student pass: no loss reads old log-probs, or the update supplies its own
+
+    def _update_actor(self, batch, metrics):
+        if self.old_log_prob_mode != old_log_prob.COMPUTE:
+            actor = self.config.actor_rollout_ref.actor
+            if self.old_log_prob_mode == old_log_prob.FROM_UPDATE:
+                # old = current holds only at the first optimizer step on this batch: it must be the only one.
+                per_update = actor.ppo_mini_batch_size * self.config.actor_rollout_ref.rollout.n
+                if actor.ppo_epochs != 1 or len(batch) > per_update:
+                    raise RuntimeError(
+                        f"opd.skip_old_log_prob: {len(batch)} samples, {actor.ppo_epochs} epoch(s) of mini-batches of "
+                        f"{per_update}: more than one update, old log-probs cannot come from the update")
+            batch.extra_info.update({
+                old_log_prob.UPDATE_FLAG: self.old_log_prob_mode == old_log_prob.FROM_UPDATE,
+                old_log_prob.ENTROPY_FLAG: True,  # actor.calculate_entropy is on (old_log_prob.apply)
+            })
+        return super()._update_actor(batch, metrics)
 
     def _compute_teacher_logprobs(self, batch):
         """Score the batch's samples (all of them, balance padding included) into TransferQueue."""
