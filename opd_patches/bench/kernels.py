@@ -19,7 +19,10 @@ References (plain PyTorch, as notes/gpu.md): full fp32 log_softmax + gather (+ m
 the tail). Each reference is measured once and shared by the rows that use it.
 On CUDA with bf16 the losses run under torch.autocast(bf16), as in VERL's actor forward (there
 log_softmax runs in fp32). The model part: random-weight Qwen2 of the size, gradient checkpointing,
-sdpa, `micro_seqs` equal-length sequences per micro-batch, no optimizer step.
+sdpa, `micro_seqs` equal-length sequences per micro-batch, no optimizer step; its `update/floor` row is
+the plain-PyTorch update with the step: reference fwd + bwd (`FLOOR_REF`) over the step's micro-batches,
+gradients accumulated, then one AdamW step (`fused=True` on CUDA, the fastest kernel; PyTorch's default
+elsewhere), next to the same without the optimizer step.
 """
 
 import contextlib
@@ -42,6 +45,7 @@ TOPK_MODES = {  # row -> (loss_mode, lean env, use_chunked_topk, clamp at 0 like
     "lean_topk_tail_torch": ("forward_kl_topk_tail", "1", False),
 }
 LEAN_KERNEL = {"lean_topk_torch": "torch", "lean_topk_tail_torch": "torch"}  # row -> OPD_LEAN_TOPK_KERNEL (else auto)
+FLOOR_REF = "ref_topk"  # the floor's loss: the dense recipe's maths (truncated top-k KL)
 REF_OF = {"logprob_upstream": "ref_logprob", "logprob_patched": "ref_logprob",
           "k1_pg": "ref_k1", "topk_default": "ref_topk", "topk_chunked": "ref_topk", "lean_topk": "ref_topk",
           "topk_tail": "ref_tail", "lean_topk_tail": "ref_tail", "lean_fused_tail": "ref_tail",
@@ -190,6 +194,31 @@ def _micro_batches(size):
     return [min(size.micro_seqs, size.n_seqs - a) for a in range(0, size.n_seqs, size.micro_seqs)]
 
 
+def _timer(step, device, repeats):
+    """run(loss_fn, fused) = measure() of step(loss_fn, fused) over every micro-batch, warmed up on the first."""
+    def run(loss_fn, fused=False):
+        return measure(partial(step, loss_fn, fused), device, repeats, warmup_fn=partial(step, loss_fn, fused, 1))
+
+    return run
+
+
+def _rows(kind, names, run, ref_of, size, grad_error=None):
+    """One row per name: the real path timed by run(), its reference (each measured once), printed.
+    ref_of(name) -> (reference name, its loss fn, fused); grad_error(name) -> extra row field or None."""
+    refs, rows = {}, []
+    for name in names:
+        fused = name == "lean_fused_tail"
+        real = run(loss_lean_fused if fused else real_loss(name), fused)
+        ref_name, ref_fn, ref_fused = ref_of(name)
+        if ref_name not in refs:
+            refs[ref_name] = run(ref_fn, ref_fused)
+        ref = refs[ref_name]
+        extra = {} if grad_error is None else {"grad_max_abs_err": grad_error(name)}
+        rows.append(row(f"{kind}/{name}", real, ref, size.tokens, reference=REF_OF[name], **extra))
+        print(f"[bench] {kind}/{name}: {real['time_s']:.3f} s (ref {ref['time_s']:.3f} s)", flush=True)
+    return rows
+
+
 def standalone(size, names, notes):
     """logits leaf (T_mb, V) -> loss -> backward, over one step's micro-batches."""
     from opd_patches.bench.sizes import qwen2_config
@@ -214,11 +243,11 @@ def standalone(size, names, notes):
             loss.backward()
             logits.grad = hidden.grad = weight.grad = None
 
-    def run(loss_fn, fused=False):
-        return measure(partial(step, loss_fn, fused), device, size.repeats, warmup_fn=partial(step, loss_fn, fused, 1))
-
-    def grad_error(loss_fn, ref_fn):
+    def grad_error(name):
         """Max |d loss / d logits| difference from the reference on the first micro-batch (untimed)."""
+        if name == "lean_fused_tail":
+            return None
+        loss_fn, ref_fn = real_loss(name), REFS[REF_OF[name]]
         n = mbs[0] * size.seq_len
         dd = {k: v[:n] for k, v in d.items()}
         grads = []
@@ -230,20 +259,12 @@ def standalone(size, names, notes):
         return max((grads[0][a:a + 2048].float() - grads[1][a:a + 2048].float()).abs().max().item()
                    for a in range(0, n, 2048))
 
-    refs, rows = {}, []
-    for name in names:
-        ref_name = REF_OF[name]
-        err = None
+    def ref_of(name):  # the fused row's reference takes (hidden, weight) too
         if name == "lean_fused_tail":
-            ref_fn = lambda h, w, dd, s: ref_tail(F.linear(h, w), dd, s)  # noqa: E731
-            real = run(loss_lean_fused, fused=True)
-            ref = refs.setdefault("ref_tail_fused", run(ref_fn, fused=True))
-        else:
-            real = run(real_loss(name))
-            ref = refs.setdefault(ref_name, run(REFS[ref_name]))
-            err = grad_error(real_loss(name), REFS[ref_name])
-        rows.append(row(f"loss/{name}", real, ref, size.tokens, reference=ref_name, grad_max_abs_err=err))
-        print(f"[bench] loss/{name}: {real['time_s']:.3f} s (ref {ref['time_s']:.3f} s)", flush=True)
+            return "ref_tail_fused", lambda h, w, dd, s: ref_tail(F.linear(h, w), dd, s), True
+        return REF_OF[name], REFS[REF_OF[name]], False
+
+    rows = _rows("loss", names, _timer(step, device, size.repeats), ref_of, size, grad_error)
     notes.append(f"loss rows: a (T_mb, {vocab}) {size.dtype} logits leaf, micro-batches {mbs} x {size.seq_len} "
                  "tokens; peaks include the resident logits leaf and inputs; grad_max_abs_err: the largest "
                  "logit-gradient difference from the reference on the first micro-batch")
@@ -276,9 +297,10 @@ def in_model(size, names, notes):
     input_ids = torch.randint(0, vocab, (max(mbs), size.seq_len), generator=gen, device=device)
     d = teacher_data(n_max, vocab, size.topk, device, seed=3)
 
-    def step(loss_fn, fused, n_micro=None):
+    def step(loss_fn, fused, n_micro=None, optimizer=None):
         for m in mbs[:n_micro]:
-            model.zero_grad(set_to_none=True)
+            if optimizer is None:  # no step to feed: a fresh gradient per micro-batch
+                model.zero_grad(set_to_none=True)
             n = m * size.seq_len
             dd = {k: v[:n] for k, v in d.items()}
             with autocast(size):
@@ -289,30 +311,37 @@ def in_model(size, names, notes):
                     logits = model(input_ids=input_ids[:m], use_cache=False).logits.reshape(n, vocab)
                     loss = loss_fn(logits, dd, size)
             loss.backward()
+        if optimizer is not None:
+            optimizer.step()
         model.zero_grad(set_to_none=True)
 
-    def run(loss_fn, fused=False):
-        return measure(partial(step, loss_fn, fused), device, size.repeats, warmup_fn=partial(step, loss_fn, fused, 1))
-
-    refs, rows = {}, []
-    for name in names:
-        ref_name = REF_OF[name]
-        if name == "lean_fused_tail":
-            real = run(loss_lean_fused, fused=True)
-        else:
-            real = run(real_loss(name))
-        ref = refs.setdefault(ref_name, run(REFS[ref_name]))
-        rows.append(row(f"update/{name}", real, ref, size.tokens, reference=ref_name))
-        print(f"[bench] update/{name}: {real['time_s']:.3f} s (ref {ref['time_s']:.3f} s)", flush=True)
+    run = _timer(step, device, size.repeats)
+    rows = _rows("update", names, run, lambda name: (REF_OF[name], REFS[REF_OF[name]], False), size)
+    rows.append(floor_row(model, step, size, run))
     k1 = next((r for r in rows if r["name"] == "update/k1_pg"), None)
     if k1 and k1["peak_gib"]:
         for r in rows:
             r["peak_vs_k1"] = r["peak_gib"] / k1["peak_gib"]
         notes.append("update rows carry peak_vs_k1 (target for topk_tail / lean: <= 1.10)")
     notes.append(f"update rows: {model.num_parameters():,}-parameter Qwen2, grad checkpointing, sdpa, "
-                 f"micro-batches {mbs} x {size.seq_len} tokens, no optimizer step")
+                 f"micro-batches {mbs} x {size.seq_len} tokens, no optimizer step (but update/floor: {FLOOR_REF} "
+                 "+ AdamW step, its reference the same without the step)")
     del model
     return rows
+
+
+def floor_row(model, step, size, run) -> dict:
+    """`update/floor`: the plain-PyTorch update, reference fwd + bwd + one AdamW step over accumulated
+    gradients; its reference column is the same without the step (their difference: the optimizer)."""
+    device = torch.device(size.device)
+    fused = device.type == "cuda"  # PyTorch's fused AdamW kernel exists on CUDA only
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=fused or None)
+    with_step = measure(partial(step, REFS[FLOOR_REF], False, optimizer=optimizer), device, size.repeats,
+                        warmup_fn=partial(step, REFS[FLOOR_REF], False, 1, optimizer))  # warm-up: the state
+    ref = run(REFS[FLOOR_REF])
+    print(f"[bench] update/floor: {with_step['time_s']:.3f} s (without the step {ref['time_s']:.3f} s)", flush=True)
+    return row("update/floor", with_step, ref, size.tokens, reference=f"{FLOOR_REF} without the optimizer step",
+               optimizer=f"AdamW(fused={fused})")
 
 
 ALL = ["logprob_upstream", "logprob_patched", "k1_pg", "topk_default", "topk_chunked", "topk_tail",
