@@ -17,6 +17,7 @@ import os
 import runpy
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -149,3 +150,33 @@ def test_spawned_children_do_not_rerun_the_command_line():
     """spawn imports the parent's main module in each child as `__mp_main__`: it must not start an evaluation."""
     namespace = runpy.run_module("opd_patches.eval", run_name="__mp_main__")
     assert callable(namespace["main"])
+
+
+def test_engine_compiles_as_the_training_rollout(monkeypatch):
+    """The evaluation engine takes recipes/device/gpu.yaml's compilation settings (CUDA graphs for decode,
+    no torch.compile: the faster start) unless OPD_EVAL_VLLM_COMPILE=default; a bad value names the variable."""
+    import types
+
+    import yaml
+
+    from opd_patches.eval import vllm_backend
+
+    seen = []
+
+    class LLM:
+        def __init__(self, model, **kwargs):
+            seen.append(kwargs.get("compilation_config"))
+
+        def get_tokenizer(self):
+            return None
+
+    gpu = yaml.safe_load((Path(__file__).resolve().parents[1] / "recipes/device/gpu.yaml").read_text())
+    rollout = gpu["actor_rollout_ref"]["rollout"]["engine_kwargs"]["vllm"]["compilation_config"]
+    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(LLM=LLM, SamplingParams=dict))
+    vllm_backend.VLLMBackend("m", max_model_len=64)
+    monkeypatch.setenv("OPD_EVAL_VLLM_COMPILE", "default")
+    vllm_backend.VLLMBackend("m", max_model_len=64)
+    assert seen == [rollout, None]
+    monkeypatch.setenv("OPD_EVAL_VLLM_COMPILE", "fast")
+    with pytest.raises(ValueError, match="OPD_EVAL_VLLM_COMPILE"):
+        vllm_backend.VLLMBackend("m", max_model_len=64)

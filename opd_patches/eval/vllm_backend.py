@@ -6,7 +6,10 @@ not depend on batching or on where a resumed run restarted. The harness hands it
 `batch_size` (default 1,024) prompts and writes each chunk's results before the next, which bounds what
 an interruption loses. Prompts go in as token ids (no special tokens added: the chat template has the
 BOS), as in VERL's vLLM rollout. `tensor_parallel_size` is `$OPD_EVAL_TP` (default 1),
-`gpu_memory_utilization` `$OPD_EVAL_GPU_MEM` (default 0.9).
+`gpu_memory_utilization` `$OPD_EVAL_GPU_MEM` (default 0.9). Compilation as the training rollout's
+(recipes/device/gpu.yaml: CUDA graphs for decode, no torch.compile; on an H200 the engine starts in
+about 110 s instead of about 140 s with vLLM's default, at the same decode speed, notes/gpu.md);
+`OPD_EVAL_VLLM_COMPILE=default` gives vLLM's own default.
 
 With `--verifier`, the judge's engine starts after the evaluated model's is deleted, but vLLM does not
 always hand all GPU memory back within one process: set `OPD_EVAL_GPU_MEM=0.45` so that both fit.
@@ -30,6 +33,14 @@ import os
 from opd_patches.eval.completion import Completion
 
 START_METHOD_VAR = "VLLM_WORKER_MULTIPROC_METHOD"
+ROLLOUT_COMPILATION = {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}  # = recipes/device/gpu.yaml
+
+
+def compilation_config() -> dict | None:
+    choice = os.environ.get("OPD_EVAL_VLLM_COMPILE", "rollout")
+    if choice not in ("rollout", "default"):
+        raise ValueError(f"OPD_EVAL_VLLM_COMPILE={choice!r}: use rollout (the training rollout's settings) or default")
+    return dict(ROLLOUT_COMPILATION) if choice == "rollout" else None
 
 
 class VLLMBackend:
@@ -49,6 +60,7 @@ class VLLMBackend:
             tensor_parallel_size=tp,
             gpu_memory_utilization=float(os.environ.get("OPD_EVAL_GPU_MEM", "0.9")),
             enable_prefix_caching=True,  # the samples of one question share their prompt
+            **({"compilation_config": cc} if (cc := compilation_config()) else {}),
         )
         self.tokenizer = self.llm.get_tokenizer()
         self.batch_size = batch_size or 1024
