@@ -4,20 +4,8 @@
 from collections import Counter
 
 import pytest
-from hydra import compose, initialize_config_dir
 
-from conftest import REPO
-
-
-def _composed(embedded, run_dir, *overrides):
-    with initialize_config_dir(config_dir=str(REPO / "recipes"), version_base=None):
-        return compose(config_name="topk", overrides=[
-            "hydra.searchpath=[pkg://verl.trainer.config]",
-            f"actor_rollout_ref.model.path={embedded['student']}",
-            f"distillation.teacher_models.teacher_model.model_path={embedded['teacher']}",
-            f"data.train_files={embedded['train']}", f"data.val_files={embedded['val']}",
-            f"trainer.default_local_dir={run_dir}", "+device=cpu", *overrides,
-        ])
+from test_preflight import _composed  # the topk recipe on the embedded models, run folder tmp_path/run
 
 
 @pytest.mark.parametrize("mode", ["off", "cheap", "full"])
@@ -34,6 +22,6 @@ def test_prepare_loads_each_tokenizer_once(embedded, tmp_path, monkeypatch, mode
         return real(cls, path, *args, **kwargs)
 
     monkeypatch.setattr(AutoTokenizer, "from_pretrained", classmethod(counted))
-    run_dir = main.prepare(_composed(embedded, tmp_path / "run", f"opd.preflight={mode}"))
+    run_dir = main.prepare(_composed(embedded, tmp_path, f"opd.preflight={mode}"))
     assert loads == {str(embedded["student"]): 1, str(embedded["teacher"]): 1}, loads
     assert (run_dir / "preflight.json").exists() == (mode != "off")
