@@ -60,7 +60,7 @@ def _ensure_registered():
             raise RuntimeError(
                 f"{NAME}: the logits processor produced no tail_losses; the hook in "
                 "opd_patches/backends/upstream_patches.py is not installed in this worker "
-                "(is opd_patches imported through VERL_USE_EXTERNAL_MODULES?)."
+                "(does VERL_USE_EXTERNAL_MODULES name opd_patches.registered?)."
             )
         truncated = no_padding_2_padding(model_output["distillation_losses"], data)
         tail = no_padding_2_padding(model_output["tail_losses"], data)
