@@ -100,3 +100,11 @@ def test_offline_install_reuses_a_preinstalled_torch_of_the_pinned_version():
 def test_wheelhouse_pip_ignores_local_wheel_folders():
     env = wheelhouse.pip_env({"PIP_FIND_LINKS": "/opt/wheels", "PIP_EXTRA_INDEX_URL": "file:///x", "PIP_CERT": "c"})
     assert env == {"PIP_CERT": "c", "PIP_CONFIG_FILE": "/dev/null", "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
+
+
+def test_make_install_with_a_wheelhouse_installs_from_it_only(tmp_path):
+    out = subprocess.run(["make", "-n", "install", f"VENV={tmp_path / 'venv'}", "PROFILE=gpu", f"WHEELHOUSE={tmp_path}"],
+                         cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert f"wheelhouse.py install --profile gpu --dir {tmp_path} --venv {tmp_path / 'venv'}" in out.stdout
+    assert "pip install" not in out.stdout and "record-base" in out.stdout  # no index; the patch base still tagged

@@ -39,7 +39,10 @@ CACHE = REPO / ".cache"
 PROFILES = ("gpu", "cpu")
 # The GPU hosts: x86_64 Linux with glibc >= 2.35 (Ubuntu 22.04+; llguidance ships 2_31 wheels only), CPython 3.12 (uv target, pip tag for the same).
 GPU_TARGET = {"uv": ["--python-platform", "x86_64-manylinux_2_35", "--python-version", "3.12"],
-              "pip": ["--platform", "manylinux_2_35_x86_64", "--python-version", "3.12", "--implementation", "cp"]}
+              # pip does not widen manylinux_2_35 to the older glibc tags it includes: list them all
+              "pip": [a for i in range(35, 4, -1) for a in ("--platform", f"manylinux_2_{i}_x86_64")]
+              + ["--platform", "manylinux2014_x86_64", "--platform", "manylinux2010_x86_64",
+                 "--platform", "manylinux1_x86_64", "--python-version", "3.12", "--implementation", "cp"]}
 TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"
 LOCK = "requirements.lock"
 # pip settings that add sources or constraints: a wheelhouse is built from PyPI (+ the torch source)
