@@ -1,15 +1,21 @@
 """The only places where upstream behaviour is patched at run time (VERL 0.9.1 and torch).
 
 Each patch is small, idempotent, and guarded by tests/test_upstream_patches.py, which fails
-loudly if the patched upstream function moves or changes shape.
+loudly if the patched upstream function moves or changes shape, and by
+tests/test_upstream_patches_accept.py: a patch accepts all that the original accepts (fed the
+inputs of upstream's own tests, it returns what the original returns, or what "Accepts" says).
 
 1. `cpu:gloo,cpu:gloo`: VERL builds the process-group backend as
    `f"cpu:gloo,{device}:{backend}"` (verl/utils/distributed.py); on the CPU platform that
    names the CPU twice and torch refuses it. We drop repeated `device:backend` entries.
+   Accepts: every backend torch accepts reaches it as the same object (only strings that torch
+   refuses as "Duplicate device type" change); positional, keyword and absent `backend` pass through.
 2. Top-k teachers served by the `hf` backend: `DistillationTeacherModelConfig.
    _validate_topk_logprobs` (verl/workers/config/distillation.py) accepts only vllm/sglang
    and raises NotImplementedError otherwise. The HF backend returns any number of
    prompt log-probs, so there is nothing to validate for it.
+   Accepts: the original's outcome for every call except `hf` with use_topk and a topk (upstream:
+   NotImplementedError; here: valid); the original alone reads `self.inference` otherwise.
 3. The tail term of `forward_kl_topk_tail` needs the student logits, which exist only inside the
    actor's forward pass, where VERL calls `verl.trainer.distillation.fsdp.losses.
    compute_forward_kl_topk` for every top-k loss. We wrap that one function: it runs unchanged and,
@@ -17,8 +23,14 @@ loudly if the patched upstream function moves or changes shape.
    Memory-lean mode: when `opd.lean_topk` is on (env OPD_LEAN_TOPK=1, losses/lean_topk.py), the same wrapper
    computes both top-k losses with the memory-lean exact kernel instead of calling the original;
    the outputs (keys, shapes, values, gradients) are the original's.
+   Accepts: without a loss_mode it knows (upstream's tests pass a namespace with no loss_mode; any
+   other loss), the original runs unchanged. In lean mode: the original's keys and shapes, values and
+   gradients to fp32 rounding, in the dtypes of upstream's fp32 maths (as under the actor's autocast;
+   `use_chunked_topk`, which upstream rounds to the logits' dtype, gets the fp32 values too).
 4. Upstream's registered `forward_kl_topk` clamps negative per-token losses at 0 without saying how
    often; its registry entry is wrapped to also report `distillation/clamped_frac`.
+   Accepts: exactly what the original accepts (it is called first, with the same arguments); returns
+   its losses and metrics plus that one key.
 5. Sampled-token log-probs without flash-attn: `verl.utils.torch_functional.logprobs_from_logits`
    falls back to `logprobs_from_logits_v2`, a Python loop over rows for bf16 (130x slower than one
    batched log_softmax on an H200). `logprobs_from_logits` reads `logprobs_from_logits_v2` from its
@@ -26,6 +38,10 @@ loudly if the patched upstream function moves or changes shape.
    `from ... import logprobs_from_logits` binding (the FSDP engine's included) and nothing else:
    flash-attn and NPU keep their paths. On (env OPD_FAST_LOGPROBS, key `opd.fast_logprobs`), it runs
    the exact chunked kernel of losses/sampled_logprob.py; off, the original.
+   Accepts: off, the original. On, every (logits (..., V), labels (...)) the original takes, plus
+   empty batches and IGNORE_INDEX labels (the original raises); fp32 values (fp64 for fp64): for bf16
+   logits the original returns bf16-rounded values, CUDA autocast upstream fp32 as here. No double
+   backward (create_graph), which the original's plain autograd would allow; no caller asks for it.
 6. Old log-probs from the update (`opd.skip_old_log_prob`, teacher/old_log_prob.py): VERL 0.9.1 has no
    on-policy branch (old = current, detached, when one epoch and one mini-batch). `ActorRolloutRefWorker.
    init_model` binds `distillation_ppo_loss` from its module's globals; we wrap that one name: when the
@@ -40,21 +56,21 @@ loudly if the patched upstream function moves or changes shape.
 import functools
 
 import torch.distributed
-from verl.workers.config.distillation import DistillationTeacherModelConfig
 
 _MARK = "_opd_patched"
 _ANNOUNCED = set()  # loss modes / kernels that announced their path in this process
 
 
 def dedupe_backend(backend):
-    """'cpu:gloo,cpu:gloo' -> 'cpu:gloo'; anything else is returned unchanged."""
+    """'cpu:gloo,cpu:gloo' -> 'cpu:gloo'. Only repeated `device:backend` entries are dropped, which torch
+    refuses ("Duplicate device type"), so every value torch accepts comes back as the same object."""
     if not isinstance(backend, str) or "," not in backend:
         return backend
-    parts = []
-    for part in backend.split(","):
-        if part not in parts:
-            parts.append(part)
-    return ",".join(parts)
+    parts = backend.split(",")
+    unique = list(dict.fromkeys(parts))
+    if len(unique) == len(parts) or not all(":" in part for part in parts):
+        return backend
+    return ",".join(unique)
 
 
 def _patch_init_process_group():
@@ -75,15 +91,19 @@ def _patch_init_process_group():
 
 
 def _patch_topk_validation():
+    # Imported here, as in every patch: importing this module must not import verl, whose own import
+    # registers opd_patches (VERL_USE_EXTERNAL_MODULES) and so calls apply() on this module.
+    from verl.workers.config.distillation import DistillationTeacherModelConfig
+
     original = DistillationTeacherModelConfig._validate_topk_logprobs
     if getattr(original, _MARK, False):
         return
 
     @functools.wraps(original)
     def _validate_topk_logprobs(self, use_topk, topk):
-        if self.inference.name == "hf":
-            if use_topk and topk is None:
-                raise ValueError("topk must be specified when use_topk is True.")
+        # Only the one case upstream refuses changes; the original makes its own early returns and
+        # errors first (no top-k, topk missing) and is the one to read `self.inference`.
+        if use_topk and topk is not None and self.inference.name == "hf":
             return None
         return original(self, use_topk, topk)
 
@@ -104,6 +124,7 @@ def _patch_topk_logits_processor():
 
     def aligned(teacher_topk_log_probs, teacher_topk_ids):
         # Align the teacher tensors with the logits exactly as the original does (packed, SP-sliced).
+        assert teacher_topk_log_probs.is_nested and teacher_topk_ids.is_nested  # as the original
         logprobs, ids = teacher_topk_log_probs.values().unsqueeze(0), teacher_topk_ids.values().unsqueeze(0)
         if get_ulysses_sequence_parallel_world_size() > 1:
             logprobs, ids = slice_input_tensor(logprobs, dim=1), slice_input_tensor(ids, dim=1)
@@ -111,7 +132,9 @@ def _patch_topk_logits_processor():
 
     @functools.wraps(original)
     def compute_forward_kl_topk(student_logits, teacher_topk_log_probs, teacher_topk_ids, config, data_format):
-        mode = config.distillation_loss.loss_mode
+        # The original never reads loss_mode (upstream's tests pass a namespace without it): no mode
+        # means not one of ours, so the original runs unchanged.
+        mode = getattr(getattr(config, "distillation_loss", None), "loss_mode", None)
         if lean_topk.enabled() and mode in lean_topk.LOSS_MODES:
             # Memory-lean mode (losses/lean_topk.py): the same outputs, no (T, V) fp32 tensors.
             logprobs, ids = aligned(teacher_topk_log_probs, teacher_topk_ids)
