@@ -3,10 +3,12 @@ in two waves of two concurrent runs (concurrency also stresses the determinism: 
 
 - reference: 5 steps, a save per step, 2 states kept, NaN injected into the step-5 loss (test-only key)
   -> receipts, validation, pruning, the non-finite guard (exit 3, nothing of step 5 saved);
-- killed (beside the reference): the same command, SIGKILL of the whole process group while step 3 is
-  being saved;
-- resumed: the same command again -> resumes from step 2 (the newest complete state), exactly the
-  newest 2 complete states kept (the killed process's states pruned too), and every step's samples
+- killed (beside the reference): the same command, SIGKILL of the whole process group while step 3's
+  background finish (export validation, hashing, receipt; opd.background_save) runs: the state is
+  written, training has moved on, the receipt is not there yet;
+- resumed: one byte of step 2's model shard flipped (same size), then the same command again -> step 2
+  is rejected by the resume's sha256 check (naming the file), the run resumes from step 1, exactly the
+  newest 2 validated states kept (the killed process's states pruned too), and every step's samples
   (`opd/samples_digest`) and losses equal the reference's: losses to 1e-6 relative (they are bit-equal:
   the trainer orders each step's samples canonically and `rollout.full_determinism` makes the hf
   rollout batch-invariant; see OpsTrainerMixin._balance_batch);
@@ -24,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from opd_patches.ops import checkpoints, summary
+from opd_patches.ops import checkpoints, receipts, summary
 
 REPO = Path(__file__).resolve().parents[1]
 COMMON = [
@@ -91,8 +93,14 @@ class Job:
 
 
 def wait_all(*jobs: Job) -> list[int]:
-    while not all([j.poll() for j in jobs]):  # a list: poll every job on each pass (kill timing)
-        time.sleep(0.05)
+    try:
+        while not all([j.poll() for j in jobs]):  # a list: poll every job on each pass (kill timing)
+            time.sleep(0.05)
+    except BaseException:  # one job failed or timed out: leave none of the others running
+        for j in jobs:
+            if j.code is None and j.proc.poll() is None:
+                j.kill()
+        raise
     return [j.code for j in jobs]
 
 
@@ -116,14 +124,16 @@ def first_wave(runs):
     ref, run = runs / "reference", runs / "resumed"
     seen = {}
 
-    def saving_step_3():
-        s2, s3 = run / "global_step_2" / "receipt.json", run / "global_step_3"
-        if s2.exists() and s3.exists():
-            seen["receipt_3_at_kill"] = (s3 / "receipt.json").exists()
+    def finishing_step_3():
+        pending = run / "global_step_3" / receipts.PENDING
+        if pending.exists():
+            seen["receipt_3_at_kill"] = (run / "global_step_3" / receipts.NAME).exists()
+            seen["finish_pid"] = json.loads(pending.read_text())["pid"]
             return True
         return False
 
-    ref_code, killed = wait_all(Job(ref, COMMON), Job(run, COMMON, kill_when=saving_step_3))
+    ref_code, killed = wait_all(Job(ref, COMMON), Job(run, COMMON, kill_when=finishing_step_3))
+    time.sleep(3)  # time enough for an orphaned finish to write a receipt (it must not exist)
     seen["states_after_kill"] = [(s["step"], s["complete"]) for s in checkpoints.list_states(run)]
     return {"reference": (ref, ref_code), "killed": (run, killed, seen)}
 
@@ -143,9 +153,16 @@ def wall(runs):
         job.kill()
 
 
+SHARD = "actor/model_world_size_1_rank_0.pt"
+
+
 @pytest.fixture(scope="module")
 def resumed(first_wave, wall):
     run, killed, seen = first_wave["killed"]
+    shard = run / "global_step_2" / SHARD
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # one flipped byte, same size: only the sha256 re-check sees it
+    shard.write_bytes(bytes(data))
     return run, killed, Job(run, COMMON).wait(), seen
 
 
@@ -166,24 +183,29 @@ def test_receipts_pruning_and_nan_guard(reference):
     assert "actor/huggingface/model.safetensors" in receipt["files"] and "data.pt" in receipt["files"]
     checks = receipt["validation"]["checks"]
     assert {"parameter count", "dtype", "finite weights", "generate"} <= set(checks)
-    assert sorted(metrics(run)) == [1, 2, 3, 4]
+    m = metrics(run)
+    assert sorted(m) == [1, 2, 3, 4]
+    # Each background finish is logged at the next step (step 4's ended after the NaN stop: not logged).
+    assert all(m[step]["opd/save_background_s"] > 0 and "timing_s/save_checkpoint" in m[step] for step in (2, 3, 4))
 
 
 def test_kill_during_save_then_resume_continues(resumed):
     run, killed, code, seen = resumed
     assert killed == -signal.SIGKILL
     assert seen["receipt_3_at_kill"] is False and (2, True) in seen["states_after_kill"], seen
-    assert (3, False) in seen["states_after_kill"], seen  # killed mid-save: an incomplete folder
+    assert (3, False) in seen["states_after_kill"], seen  # killed in the background finish: incomplete
     text = log_text(run)
+    assert "receipt continue in the background" in text  # the save handed its finish to the background
     assert code == summary.EXIT_CODES["non_finite"], text[-3000:]
-    assert f"resume: from the newest complete state {run / 'global_step_2'}" in text
+    assert f"{run / 'global_step_2'} is not resumed from: sha256 differs from receipt: {SHARD}" in text
+    assert f"resume: from the newest complete state {run / 'global_step_1'}" in text
     # Same samples and losses as the reference: test_resumed_losses_equal_to_1e_6. Exactly the newest two complete states, across the restart (steps 1, 2 of the killed process pruned).
     assert [(x["step"], x["complete"]) for x in checkpoints.list_states(run)] == [(3, True), (4, True)]
     assert summary.read(run)["last_complete_step"] == 4
 
 
 def resumed_and_reference_metrics(run, ref_run):
-    # Steps 1-2 were logged by the killed process (rotated to metrics.1.jsonl), 3-4 by the resumed one.
+    # Steps 1-2 were logged by the killed process (rotated to metrics.1.jsonl), 2-4 by the resumed one.
     got = {**metrics(run, "metrics.1.jsonl"), **metrics(run)}
     assert sorted(got) == [1, 2, 3, 4], sorted(got)
     return got, metrics(ref_run)

@@ -83,7 +83,7 @@ def finish(state: Path, step: int, validate: bool = True, expected_params: int |
     (state / receipts.PENDING).unlink(missing_ok=True)
     removed = checkpoints.prune(state.parent, keep) if keep else []
     return {"step": int(step), "validation": validation, "pruned": removed, "validate_s": t1 - t0,
-            "hash_s": t2 - t1, "seconds": time.monotonic() - t0}
+            "hash_s": t2 - t1, "seconds": time.monotonic() - t0, "ended_at": time.time()}
 
 
 def launch(state: Path, step: int, result: Path, **kwargs) -> subprocess.Popen:

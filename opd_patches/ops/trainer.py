@@ -5,12 +5,17 @@ upstream's fit loop already calls:
 - wall clock (`opd.wall_clock_s`, `opd.reserve_s`, `opd.wall_clock_margin`; budget.py): after each
   step, stop at this step boundary when the next step and its save no longer fit; the step just
   done is saved (state, HF export, validation, receipt) and the loop ends; exit 0;
-- receipts (receipts.py): after upstream's save, the HF export is validated in a CPU subprocess
-  (`opd.validate_after_save`), then `global_step_N/receipt.json` is written last, atomically;
-- pruning (checkpoints.py): the newest `trainer.max_actor_ckpt_to_keep` complete states are kept,
-  counted over the disk (earlier processes' states included); upstream's own in-memory pruning
-  is switched off for the save so ours is the only one;
-- resume (`trainer.resume_mode=auto`): from the newest *complete* state, not from upstream's
+- receipts (receipts.py, finish.py): after upstream's save, the HF export is validated in a CPU
+  subprocess (`opd.validate_after_save`), every file hashed, then `global_step_N/receipt.json` is
+  written last, atomically. With `opd.background_save` that finish runs in a subprocess while
+  training goes on (at most one at a time); the last save of the process (final step, wall clock)
+  finishes in-process, so the trainer waits for it. Metrics: upstream's `timing_s/save_checkpoint`
+  is what the trainer waited; `opd/save_background_s` the background finish, logged at the step it ended;
+- pruning (checkpoints.py, inside the finish): the newest `trainer.max_actor_ckpt_to_keep`
+  *validated* states and the newest complete one are kept, counted over the disk (earlier
+  processes' states included); upstream's own in-memory pruning is switched off for the save;
+- resume (`trainer.resume_mode=auto`): from the newest *complete* state whose files match their
+  receipt's sha256 (re-hashed once per resume, falling back to older states), not from upstream's
   `latest_checkpointed_iteration.txt` (written before the receipt; it can name an interrupted save);
   incomplete folders after it are removed; the tracker file is rewritten to the resumed step;
 - non-finite guard (guard.py): NaN/inf teacher log-probs (checked before the update), loss or grad
@@ -22,10 +27,7 @@ teacher) = `PPOTrainerSync` + this mixin; the colocated teacher's `colocated_tea
 mixin too, so both placements get every feature.
 """
 
-import json
-import os
-import subprocess
-import sys
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -38,7 +40,7 @@ from opd_patches.backends import cpu_platform  # noqa: F401, I001
 from verl.trainer.ppo.v1.trainer_base import register_trainer
 from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 
-from opd_patches.ops import checkpoints, guard, receipts, summary
+from opd_patches.ops import checkpoints, finish, guard, summary
 from opd_patches.ops.budget import WallClock
 
 NAME = "opd_sync"
@@ -81,6 +83,10 @@ class OpsTrainerMixin:
         )
         self.ops_validate = bool(opd.get("validate_after_save", True))
         self.ops_validate_timeout = float(opd.get("validate_timeout_s") or 1800)
+        self.ops_background = bool(opd.get("background_save", True))
+        self._ops_finishing = None  # the background finish in flight: dict(proc, result, state, started, waited)
+        self._ops_save_metrics = {}
+        self._ops_tmp = None
         debug = opd.get("debug") or {}
         self.ops_inject_step = debug.get("inject_nan_step")
         self.ops_inject_into = str(debug.get("inject_nan_into") or "loss")
@@ -98,7 +104,7 @@ class OpsTrainerMixin:
         """resume_mode=auto: resume from the newest complete state (receipt), whatever the tracker file says."""
         if self.config.trainer.resume_mode != "auto":
             return super()._load_checkpoint()
-        newest = checkpoints.newest_complete(self.ops_run_dir)
+        newest = checkpoints.resume_point(self.ops_run_dir)  # re-hashes against the receipt
         if newest is None:
             leftovers = [s["step"] for s in checkpoints.list_states(self.ops_run_dir)]
             if leftovers:
@@ -125,33 +131,64 @@ class OpsTrainerMixin:
     # ---- saving -----------------------------------------------------------------------------
     def _save_checkpoint(self):
         start = time.monotonic()
+        self._ops_collect(wait=True)  # one finish at a time: pruning never overlaps a save
         step = self.global_steps
         state = self.ops_run_dir / f"global_step_{step}"
         keep = self.config.trainer.get("max_actor_ckpt_to_keep")
         with open_dict(self.config):
-            self.config.trainer.max_actor_ckpt_to_keep = None  # upstream prunes from memory only: ours below
+            self.config.trainer.max_actor_ckpt_to_keep = None  # upstream prunes from memory only: ours in finish
         try:
             super()._save_checkpoint()
         finally:
             with open_dict(self.config):
                 self.config.trainer.max_actor_ckpt_to_keep = keep
-        validation = self._ops_validate_export(state) if self.ops_validate else None
-        try:
-            receipts.write(state, step, validation)
-        except OSError as exc:
-            raise OSError(exc.errno, f"writing the receipt of {state} failed ({exc.strerror or exc}); the state stays "
-                          "incomplete and the previous complete states are intact. Free disk space and relaunch "
-                          "to resume.") from exc
-        removed = checkpoints.prune(self.ops_run_dir, keep) if keep else []
         self._ops_saved_step = step
-        seconds = time.monotonic() - start
-        self.ops_clock.record_save(seconds)
+        args = dict(validate=self.ops_validate, expected_params=self._ops_expected() if self.ops_validate else None,
+                    timeout_s=self.ops_validate_timeout, keep=keep)
+        # The last save of this process (final step or wall clock) is waited for: its receipt must exist at exit.
+        last = self._ops_stop_reason is not None or step >= self.total_training_steps
+        if self.ops_background and not last:
+            if self._ops_tmp is None:
+                self._ops_tmp = tempfile.mkdtemp(prefix="opd-finish-")
+            result = Path(self._ops_tmp) / f"step_{step}.json"
+            result.unlink(missing_ok=True)
+            self._ops_finishing = dict(proc=finish.launch(state, step, result, **args), result=result, state=state,
+                                       started=time.monotonic(), started_at=time.time(), waited=time.monotonic() - start)
+            print(f"[opd] saved step {step}: the trainer waited {self._ops_finishing['waited']:.1f} s (state write, and "
+                  "any earlier finish); export validation, hashing and receipt continue in the background", flush=True)
+            return
+        out = finish.finish(state, step, **args)
+        self._ops_report(out, waited=time.monotonic() - start, background=False)
+
+    def _ops_collect(self, wait: bool) -> None:
+        """Report the background finish once it has ended (wait: block until it has)."""
+        f = self._ops_finishing
+        if f is None:
+            return
+        out = finish.collect(f["proc"], f["result"], f["state"], wait)
+        if out is None:
+            return
+        self._ops_finishing = None
+        # From launch to the receipt (the finish's own clock: collecting may come a step later).
+        ended = out.get("ended_at") or time.time()
+        self._ops_report(out, waited=f["waited"], background=True, background_s=max(0.0, ended - f["started_at"]))
+
+    def _ops_report(self, out: dict, waited: float, background: bool, background_s: float = 0.0) -> None:
+        if "error" in out:  # the finish process died or failed: the state stays incomplete
+            print(f"[opd] WARNING: {out['error']}", flush=True)
+            return
+        step, validation, removed = out["step"], out["validation"], out["pruned"]
+        self.ops_clock.record_save(waited + background_s)
+        if background:
+            self._ops_save_metrics["opd/save_background_s"] = background_s
         ok = None if validation is None else validation["ok"]
+        how = f"{waited:.1f} s waited + {background_s:.1f} s in the background" if background else f"{waited:.1f} s"
         print(f"[opd] saved step {step}: receipt written, export validation "
-              f"{ {True: 'ok', False: 'FAILED', None: 'skipped'}[ok] }, {seconds:.1f} s"
-              + (f"; pruned steps {removed}" if removed else ""), flush=True)
+              f"{ {True: 'ok', False: 'FAILED', None: 'skipped'}[ok] }, {how} (validation {out['validate_s']:.1f} s, "
+              f"hashing {out['hash_s']:.1f} s)" + (f"; pruned steps {removed}" if removed else ""), flush=True)
         if ok is False:
-            print(f"[opd] WARNING: the step-{step} export failed validation: {validation['error']}", flush=True)
+            print(f"[opd] WARNING: the step-{step} export failed validation: {validation['error']}; "
+                  "it does not count as a kept state", flush=True)
 
     def _ops_expected(self):
         if self._ops_expected_params is None:
@@ -162,26 +199,6 @@ class OpsTrainerMixin:
             except Exception:  # unreadable config: fall back to the export's own config
                 self._ops_expected_params = 0
         return self._ops_expected_params or None
-
-    def _ops_validate_export(self, state: Path) -> dict:
-        """opd_patches.validate in a CPU-only subprocess (never contends with training memory)."""
-        export = state / receipts.HF_EXPORT
-        with tempfile.TemporaryDirectory() as tmp:
-            out = Path(tmp) / "validation.json"
-            cmd = [sys.executable, "-m", "opd_patches.validate", str(export), "--json", str(out)]
-            if self._ops_expected():
-                cmd += ["--expected-params", str(self._ops_expected())]
-            env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "TOKENIZERS_PARALLELISM": "false"}
-            try:
-                proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=self.ops_validate_timeout)
-            except subprocess.TimeoutExpired:
-                return {"ok": False, "checks": {}, "error": f"validation timed out after {self.ops_validate_timeout:g} s"}
-            if not out.exists():
-                tail = (proc.stderr or proc.stdout or "").strip().splitlines()[-3:]
-                return {"ok": False, "checks": {}, "error": f"validator exit {proc.returncode}: {' | '.join(tail)}"}
-            result = json.loads(out.read_text())
-        return {"ok": bool(result["valid"]), "checks": result.get("checks", {}), "error": result.get("reason"),
-                "parameters": result.get("parameters"), "stored_dtype": result.get("stored_dtype")}
 
     # ---- step boundaries ----------------------------------------------------------------------
     def on_step_begin(self):
@@ -198,22 +215,28 @@ class OpsTrainerMixin:
         self._ops_last_done = self.global_steps
         self._ops_steps_this_process += 1
         self.ops_clock.record_step(time.monotonic() - self._ops_step_started)
+        self._ops_collect(wait=False)
         if self.global_steps < self.total_training_steps:
             freq = self.config.trainer.save_freq
             scheduled = freq > 0 and self.global_steps % freq == 0
-            stop, why = self.ops_clock.should_stop(pending_save=scheduled)
+            flight = None if self._ops_finishing is None else time.monotonic() - self._ops_finishing["started"]
+            stop, why = self.ops_clock.should_stop(pending_save=scheduled, in_flight_s=flight)
             if stop:
                 self._ops_stop_reason = why
         return batch
 
     def on_step_end(self):
         if self._ops_stop_reason is None:
-            return super().on_step_end()
-        # Stopping at this boundary: make sure this step is saved; no weight sync (nothing samples again).
-        if self._ops_saved_step != self.global_steps:
-            self._save_checkpoint()
-        self.total_training_steps = self.global_steps  # upstream's loop ends after logging this step
-        print(f"[opd] stopping after step {self.global_steps}: {self._ops_stop_reason}", flush=True)
+            super().on_step_end()
+        else:
+            # Stopping at this boundary: make sure this step is saved; no weight sync (nothing samples again).
+            if self._ops_saved_step != self.global_steps:
+                self._save_checkpoint()
+            self.total_training_steps = self.global_steps  # upstream's loop ends after logging this step
+            print(f"[opd] stopping after step {self.global_steps}: {self._ops_stop_reason}", flush=True)
+        if self._ops_save_metrics:  # upstream merges these into this step's logged metrics
+            self._pending_sync_metrics = {**(getattr(self, "_pending_sync_metrics", None) or {}), **self._ops_save_metrics}
+            self._ops_save_metrics = {}
 
     # ---- sample order ------------------------------------------------------------------------------
     def _balance_batch(self, batch, metrics, *args, **kwargs):
@@ -294,7 +317,12 @@ class OpsTrainerMixin:
     def fit(self, agent_loop_manager):
         requested = self.total_training_steps
         try:
-            super().fit(agent_loop_manager)
+            try:
+                super().fit(agent_loop_manager)
+            finally:  # a save still finishing in the background (e.g. before a non-finite stop) ends first
+                self._ops_collect(wait=True)
+                if self._ops_tmp is not None:
+                    shutil.rmtree(self._ops_tmp, ignore_errors=True)
         except _WallClockSpent as exc:
             status, reason = "wall_clock", str(exc)
         except guard.NonFiniteError as exc:
