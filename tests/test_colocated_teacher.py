@@ -234,7 +234,8 @@ print(json.dumps({"mode": getattr(TRAINER_REGISTRY.get("colocated_teacher"), "__
 
 
 @pytest.mark.parametrize(
-    "modules,mode", [("opd_patches", None), ("opd_patches,opd_patches.teacher.trainer", "ColocatedTeacherTrainer")]
+    "modules,mode", [("opd_patches.registered", None),
+                     ("opd_patches.registered,opd_patches.teacher.trainer", "ColocatedTeacherTrainer")]
 )
 def test_trainer_mode_registered_through_the_env_var(modules, mode):
     """`colocated_teacher` exists in processes whose VERL_USE_EXTERNAL_MODULES names its module (main.py
