@@ -90,6 +90,8 @@ class OpsTrainerMixin:
         debug = opd.get("debug") or {}
         self.ops_inject_step = debug.get("inject_nan_step")
         self.ops_inject_into = str(debug.get("inject_nan_into") or "loss")
+        saves = debug.get("save_steps")  # BENCH ONLY: save after these steps only (make bench PHASE=step)
+        self.ops_save_steps = None if saves is None else {int(x) for x in saves}
         if self.ops_inject_into not in ("loss", "teacher"):
             raise ValueError(f"opd.debug.inject_nan_into={self.ops_inject_into!r}: choose loss or teacher.")
         self._ops_stop_reason = None
@@ -130,6 +132,9 @@ class OpsTrainerMixin:
 
     # ---- saving -----------------------------------------------------------------------------
     def _save_checkpoint(self):
+        if self.ops_save_steps is not None and self.global_steps not in self.ops_save_steps:
+            print(f"[opd] opd.debug.save_steps: no save after step {self.global_steps}", flush=True)
+            return
         start = time.monotonic()
         self._ops_collect(wait=True)  # one finish at a time: pruning never overlaps a save
         step = self.global_steps
