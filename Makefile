@@ -57,11 +57,12 @@ smoke: $(DEPS)
 smoke-gpu: $(DEPS)
 	$(PY) -m opd_patches.smoke_gpu $(if $(PART),--part $(PART)) $(if $(OUT),--out $(OUT)) $(SMOKE_GPU_ARGS)
 
+# End-to-end runs start in the background after collection (tests/background.py; OPD_TEST_JOBS at a time).
 test: $(DEPS)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=20
 
 test-fast: $(DEPS)
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q -m "not slow" --durations=10
 
 vendor-check: $(DEPS)
 	$(PY) verl_vendor/vendor.py check

@@ -1,11 +1,18 @@
-"""Shared fixtures: the embedded tiny models (built once, cached in .cache/) and the smoke run."""
+"""Shared fixtures: the embedded tiny models (built once, cached in .cache/) and the end-to-end runs
+that several tests read (tests/background.py: started in the background right after collection).
+
+OPD_TEST_THREADS=N: torch intra-op threads of the test process (default: torch's own choice; the
+numerical tolerances hold for any count). OPD_TEST_JOBS=N: end-to-end runs at a time (default 2).
+"""
 
 import os
-import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
+
+from background import POOL, Spec, shared_run
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPES = ("k1", "topk", "topk_tail")
@@ -38,12 +45,50 @@ def ray_env_of(run_dir, **opd):
     return config.ray_kwargs.ray_init.runtime_env.env_vars
 
 
+_EMBEDDED: list = []
+_EMBEDDED_LOCK = threading.Lock()
+
+
+def build_embedded():
+    """Built once per session, also before the first background run (concurrent run.sh launches with
+    EMBEDDED=1 would otherwise build the same folder at once)."""
+    with _EMBEDDED_LOCK:
+        if not _EMBEDDED:
+            from opd_patches.embedded.build import build
+
+            _EMBEDDED.append(build(REPO / ".cache" / "embedded"))
+        return _EMBEDDED[0]
+
+
 @pytest.fixture(scope="session")
 def embedded():
     """Paths of the tiny student, teacher, tokenizer and prompt parquet files that run.sh also uses."""
-    from opd_patches.embedded.build import build
+    return build_embedded()
 
-    return build(REPO / ".cache" / "embedded")
+
+def pytest_configure(config):
+    threads = os.environ.get("OPD_TEST_THREADS")
+    if threads:
+        import torch
+
+        torch.set_num_threads(int(threads))
+
+
+@pytest.hookimpl(trylast=True)  # after -m/-k deselection: start only the runs of the selected tests
+def pytest_collection_modifyitems(session, config, items):
+    """Start the shared runs the selected tests need, longest first, and move the tests that read
+    them to the end (in that order), so that the other tests run meanwhile."""
+    uses = {id(item): [n for n in item.fixturenames if n in POOL.specs] for item in items}
+    order = POOL.order(n for names in uses.values() for n in names)
+    if not order or config.option.collectonly:
+        return
+    rank = {n: i for i, n in enumerate(order)}
+    items.sort(key=lambda item: min((rank[n] for n in uses[id(item)]), default=-1))
+    POOL.start(order, config._tmp_path_factory.mktemp("shared_runs"), build_embedded)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    POOL.close()
 
 
 def sharpened(src, out, seed):
@@ -70,14 +115,23 @@ def sharpened(src, out, seed):
     return Path(out)
 
 
+def smoke_cli(recipes, *overrides, timeout=600):
+    """`python -m opd_patches.smoke` (what `make smoke` runs) for `recipes`, into the run's folder."""
+    def spec(out):
+        return Spec(argv=[sys.executable, "-m", "opd_patches.smoke", "--out", str(out), "--timeout", str(timeout),
+                          "--recipes", *recipes, *overrides], timeout=timeout * len(recipes) + 300)
+    return spec
+
+
+# Each folder keeps <recipe>/{metrics.jsonl, run.log, manifest.json, global_step_N/...}; a new check
+# of these runs requests the fixture (see tests/background.py).
+smoke_run = shared_run("smoke_run", smoke_cli(RECIPES), cost=3)  # every recipe, colocated teacher
+# The defaults' counterparts: upstream's sampled-token log-probs (k1) and top-k path (topk_tail).
+k1_fast_logprobs_off = shared_run("k1_fast_logprobs_off", smoke_cli(["k1"], "opd.fast_logprobs=false"))
+topk_tail_lean_off = shared_run("topk_tail_lean_off", smoke_cli(["topk_tail"], "opd.lean_topk=false"))
+
+
 @pytest.fixture(scope="session")
-def smoke(tmp_path_factory):
-    """`python -m opd_patches.smoke` for every recipe (the default, colocated teacher): (process, out dir)."""
-    out = tmp_path_factory.mktemp("smoke")
-    proc = subprocess.run(
-        [sys.executable, "-m", "opd_patches.smoke", "--out", str(out), "--timeout", "400", "--recipes", *RECIPES],
-        cwd=REPO, capture_output=True, text=True, timeout=1000,
-    )
-    return proc, out
-
-
+def smoke(smoke_run):
+    """The smoke run of every recipe (the default, colocated teacher): (process-like result, out dir)."""
+    return smoke_run, smoke_run.out

@@ -16,16 +16,14 @@ plain embedded teacher is near-uniform, and near ties would make a top-k id comp
 """
 
 import json
-import os
 import re
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
+from background import Spec, shared_run
 from conftest import sharpened
 
 REPO = Path(__file__).resolve().parents[1]
@@ -34,21 +32,30 @@ STEPS = 2
 LP_TOL = 1e-5
 
 
-@pytest.fixture(scope="module")
-def scaleout(embedded, tmp_path_factory):
-    """(process, run dir, log text, wall seconds) of the 2-rank colocated topk run with the teacher dump."""
-    base = tmp_path_factory.mktemp("scaleout")
-    teacher = sharpened(embedded["teacher"], base / "sharp_teacher", seed=321)
+def _scaleout_spec(base):
+    """The 2-rank colocated topk run with the teacher dump (a shared run: tests/background.py)."""
+    from conftest import build_embedded
+
     run_dir, dump = base / "run", base / "run" / "teacher_dump"
-    dump.mkdir(parents=True)
-    env = {**os.environ, "EMBEDDED": "1", "N_GPUS": str(N_RANKS), "OUTPUT_DIR": str(run_dir),
-           "PYTHON": sys.executable, "PYTHONUNBUFFERED": "1", "OPD_TEACHER_DUMP_DIR": str(dump)}
-    cmd = [str(REPO / "run.sh"), "recipe=topk", "+overlay=smoke",
-           f"distillation.teacher_models.teacher_model.model_path={teacher}"]  # applied last: wins over EMBEDDED's
-    start = time.monotonic()
-    with open(run_dir / "run.log", "w") as log:
-        proc = subprocess.run(cmd, env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, timeout=500)
-    return proc, run_dir, (run_dir / "run.log").read_text(errors="replace"), time.monotonic() - start
+
+    def prepare(base):
+        sharpened(build_embedded()["teacher"], base / "sharp_teacher", seed=321)
+        dump.mkdir(parents=True)
+
+    return Spec(argv=[str(REPO / "run.sh"), "recipe=topk", "+overlay=smoke",
+                      f"distillation.teacher_models.teacher_model.model_path={base / 'sharp_teacher'}"],  # last: wins over EMBEDDED's
+                env={"EMBEDDED": "1", "N_GPUS": str(N_RANKS), "OUTPUT_DIR": str(run_dir), "PYTHON": sys.executable,
+                     "OPD_TEACHER_DUMP_DIR": str(dump)},
+                timeout=700, prepare=prepare)
+
+
+scaleout_run = shared_run("scaleout_run", _scaleout_spec, cost=1.5)
+
+
+@pytest.fixture(scope="module")
+def scaleout(scaleout_run):
+    """(process, run dir, log text, wall seconds) of the 2-rank colocated topk run with the teacher dump."""
+    return scaleout_run, scaleout_run.out / "run", scaleout_run.log, scaleout_run.wall_s
 
 
 @pytest.fixture(scope="module")

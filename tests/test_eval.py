@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from background import Spec, shared_run
 from opd_patches import prompt
 from opd_patches.eval import compare, harness, plot, summary, suites
 from opd_patches.eval.verifier import apply_verdict, build_prompt, parse_verdict
@@ -31,16 +32,22 @@ def data_dir():
     return DATA
 
 
+def _make_eval_spec(base):
+    """`make eval` on the tiny student (a shared run, tests/background.py; output in base/math500)."""
+    from conftest import build_embedded
+
+    return Spec(argv=["make", "-s", "eval", "PREPARED=1", f"PY={sys.executable}", f"MODEL={build_embedded()['student']}",
+                      "SUITE=math500", f"OUT={base / 'math500'}",
+                      f"EVAL_ARGS={' '.join(SMALL)} --data-dir {DATA} --backend hf"], timeout=600)
+
+
+make_eval_run = shared_run("make_eval_run", _make_eval_spec, cost=0.5)
+
+
 @pytest.fixture(scope="module")
-def make_eval(embedded, data_dir, tmp_path_factory):
+def make_eval(data_dir, make_eval_run):
     """`make eval` on the tiny student: (process, out folder)."""
-    out = tmp_path_factory.mktemp("eval") / "math500"
-    proc = subprocess.run(
-        ["make", "-s", "eval", "PREPARED=1", f"PY={sys.executable}", f"MODEL={embedded['student']}", "SUITE=math500",
-         f"OUT={out}", f"EVAL_ARGS={' '.join(SMALL)} --data-dir {data_dir} --backend hf"],
-        cwd=REPO, capture_output=True, text=True, timeout=600,
-    )
-    return proc, out
+    return make_eval_run, make_eval_run.out / "math500"
 
 
 @pytest.mark.slow

@@ -213,9 +213,9 @@ def test_topk_outputs_matches_upstream_keys_and_shapes():
 
 
 @pytest.fixture(scope="module")
-def lean_run_pair(tmp_path_factory):
+def lean_run_pair(smoke, topk_tail_lean_off):
     """The real 2-step CPU smoke run of `topk_tail` with the lean path off and on."""
-    return run_pair(tmp_path_factory.mktemp("lean_pair"), "topk_tail", "opd.lean_topk")
+    return run_pair(topk_tail_lean_off.out / "topk_tail", smoke[1] / "topk_tail")
 
 
 def check_run_pair(runs):

@@ -180,8 +180,8 @@ def test_recipe_key_reaches_the_workers_env(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def logprob_run_pair(tmp_path_factory):
-    return run_pair(tmp_path_factory.mktemp("fast_logprobs_pair"), "k1", "opd.fast_logprobs")
+def logprob_run_pair(smoke, k1_fast_logprobs_off):
+    return run_pair(k1_fast_logprobs_off.out / "k1", smoke[1] / "k1")
 
 
 @pytest.mark.slow

@@ -7,14 +7,13 @@ so both placements run end to end.
 
 import json
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-from conftest import RECIPES
+from background import shared_run
+from conftest import RECIPES, smoke_cli
 
 pytestmark = pytest.mark.slow
 
@@ -80,18 +79,16 @@ def test_tail_loss_is_never_negative_and_reports_its_parts(smoke):
         assert {"actor/distillation/tail_loss", "actor/distillation/teacher_mass", "actor/distillation/student_mass"} <= r.keys()
 
 
+# topk_tail with task rewards mixed in (coefficient 0.5), with upstream's standalone teacher (hf backend).
+smoke_mixed = shared_run("smoke_mixed", smoke_cli(
+    ["topk_tail"], "distillation.distillation_loss.use_task_rewards=true",
+    "distillation.distillation_loss.distillation_loss_coef=0.5", "opd.teacher_placement=standalone"))
+
+
 @pytest.fixture(scope="session")
-def mixed(tmp_path_factory):
-    """topk_tail with task rewards mixed in (coefficient 0.5), with upstream's standalone teacher (hf backend)."""
-    out = tmp_path_factory.mktemp("mixed")
-    proc = subprocess.run(
-        [sys.executable, "-m", "opd_patches.smoke", "--recipes", "topk_tail", "--out", str(out), "--timeout", "400",
-         "distillation.distillation_loss.use_task_rewards=true", "distillation.distillation_loss.distillation_loss_coef=0.5",
-         "opd.teacher_placement=standalone"],
-        cwd=REPO, capture_output=True, text=True, timeout=600,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return out
+def mixed(smoke_mixed):
+    assert smoke_mixed.returncode == 0, smoke_mixed.log[-3000:]
+    return smoke_mixed.out
 
 
 def test_task_reward_mixing_scales_the_distillation_loss(mixed):

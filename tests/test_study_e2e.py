@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from background import Spec, shared_run
 from opd_patches.ops import checkpoints
 from opd_patches.study import runner
 
@@ -49,12 +50,12 @@ def _wait_session_empty(sid: int, timeout: float) -> list[int]:
     return left
 
 
-@pytest.fixture(scope="module")
-def study(tmp_path_factory, embedded):
+def _study(base):
+    """The study, killed twice and finished (a shared run, tests/background.py: in a thread beside the rest)."""
     if not (DATA / "math500.jsonl").exists():
-        pytest.skip(f"{DATA}/math500.jsonl is missing: evaluation questions live in ../shared/data/math")
-    out = tmp_path_factory.mktemp("study") / "smoke"
-    env = {**os.environ, "OPD_EVAL_DATA": str(DATA)}
+        return None  # the fixture skips
+    out = base / "smoke"
+    env = {**os.environ, "OPD_EVAL_DATA": str(DATA), "OPD_LOCK_DIR": str(base / "lock")}
     cmd = ["make", "-s", "study", "PREPARED=1", f"PY={sys.executable}", "SPEC=recipes/studies/smoke.yaml", f"OUT={out}"]
     first_log = out.parent / "first.log"
     run = {name: out / "runs" / name[0] / f"seed{name[1]}" for name in RUNS}
@@ -87,6 +88,16 @@ def study(tmp_path_factory, embedded):
     (out.parent / "last.log").write_text(last.stdout + last.stderr)  # for a failed assertion's reader
     return {"out": out, "run": run, "first": first_log.read_text(), "second": second_log.read_text(),
             "last": last, "seen": seen}
+
+
+study_run = shared_run("study_run", lambda base: Spec(fn=_study), cost=6)
+
+
+@pytest.fixture(scope="module")
+def study(study_run):
+    if not (DATA / "math500.jsonl").exists():
+        pytest.skip(f"{DATA}/math500.jsonl is missing: evaluation questions live in ../shared/data/math")
+    return study_run.value
 
 
 def test_kill_stops_the_study_and_its_run(study):
