@@ -6,6 +6,7 @@ numerical tolerances hold for any count). OPD_TEST_JOBS=N: end-to-end runs at a 
 """
 
 import os
+import signal
 import sys
 import threading
 from pathlib import Path
@@ -85,6 +86,12 @@ def pytest_collection_modifyitems(session, config, items):
     rank = {n: i for i, n in enumerate(order)}
     items.sort(key=lambda item: min((rank[n] for n in uses[id(item)]), default=-1))
     POOL.start(order, config._tmp_path_factory.mktemp("shared_runs"), build_embedded)
+    # SIGTERM (a CI timeout) ends the session like Ctrl-C, so pytest_sessionfinish kills the runs.
+    signal.signal(signal.SIGTERM, _interrupt)
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
 
 
 def pytest_sessionfinish(session, exitstatus):
@@ -118,8 +125,9 @@ def sharpened(src, out, seed):
 def smoke_cli(recipes, *overrides, timeout=600):
     """`python -m opd_patches.smoke` (what `make smoke` runs) for `recipes`, into the run's folder."""
     def spec(out):
-        return Spec(argv=[sys.executable, "-m", "opd_patches.smoke", "--out", str(out), "--timeout", str(timeout),
-                          "--recipes", *recipes, *overrides], timeout=timeout * len(recipes) + 300)
+        return Spec(argv=[sys.executable, "-m", "opd_patches.smoke", "--recipes", *recipes, "--out", str(out),
+                          "--timeout", str(timeout), *overrides],  # overrides after an option: not recipes
+                    timeout=timeout * len(recipes) + 300)
     return spec
 
 
