@@ -27,7 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from opd_patches.ops import checkpoints, receipts
+from opd_patches.ops import checkpoints, export, receipts
 
 _PR_SET_PDEATHSIG = 1
 
@@ -70,6 +70,7 @@ def finish(state: Path, step: int, validate: bool = True, expected_params: int |
     """Validate, hash, write the receipt, prune; returns what happened with the seconds each part took."""
     state = Path(state)
     t0 = time.monotonic()
+    export.make_portable(state / receipts.HF_EXPORT)  # before validation and hashing: what users load
     validation = validate_export(state / receipts.HF_EXPORT, expected_params, timeout_s) if validate else None
     t1 = time.monotonic()
     files = receipts.inventory(state)
