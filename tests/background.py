@@ -29,6 +29,10 @@ from typing import Any, Callable
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+# Switches some test modules set in os.environ at import for their in-process engine tests
+# (test_loss_invariance.py, test_skip_old_log_prob.py: OPD_LEAN_TOPK=0); a run of the product's defaults
+# must not inherit them (its recipe keys, passed to Ray by main.configure_ray, decide).
+IN_PROCESS_SWITCHES = ("OPD_LEAN_TOPK", "OPD_LEAN_TOPK_KERNEL", "OPD_FAST_LOGPROBS", "OPD_ENTROPY_DETACHED")
 POLL_S = 0.5
 
 
@@ -174,7 +178,8 @@ class Pool:
 
     def _subprocess(self, name: str, spec: Spec, out: Path) -> int | None:
         # Each run takes the one-run lock (opd_patches/ops/lock.py) in a folder of its own.
-        env = {**os.environ, "OPD_LOCK_DIR": str(out / "lock"), "PYTHONUNBUFFERED": "1", **spec.env}
+        env = {k: v for k, v in os.environ.items() if k not in IN_PROCESS_SWITCHES}
+        env.update({"OPD_LOCK_DIR": str(out / "lock"), "PYTHONUNBUFFERED": "1", **spec.env})
         env.pop("OPD_LOCK_HELD", None)
         with open(out / "run.log", "w") as log:
             proc = subprocess.Popen(spec.argv, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,

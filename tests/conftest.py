@@ -135,7 +135,13 @@ def smoke_cli(recipes, *overrides, timeout=600):
 # of these runs requests the fixture (see tests/background.py).
 smoke_run = shared_run("smoke_run", smoke_cli(RECIPES), cost=3)  # every recipe, colocated teacher
 # The defaults' counterparts: upstream's sampled-token log-probs (k1) and top-k path (topk_tail).
-k1_fast_logprobs_off = shared_run("k1_fast_logprobs_off", smoke_cli(["k1"], "opd.fast_logprobs=false"))
+# k1 with the student's old-log-prob pass on (opd.skip_old_log_prob=false: rollout_corr/* logged), fast
+# log-probs off and on: the pair of test_sampled_logprob.py; k1/topk with the pass on are also the
+# counterparts of the default (pass skipped) in test_skip_old_log_prob.py.
+k1_fast_logprobs_off = shared_run("k1_fast_logprobs_off", smoke_cli(["k1"], "opd.fast_logprobs=false",
+                                                                    "opd.skip_old_log_prob=false"))
+k1_skip_off = shared_run("k1_skip_off", smoke_cli(["k1"], "opd.skip_old_log_prob=false"))
+topk_skip_off = shared_run("topk_skip_off", smoke_cli(["topk"], "opd.skip_old_log_prob=false"))
 topk_tail_lean_off = shared_run("topk_tail_lean_off", smoke_cli(["topk_tail"], "opd.lean_topk=false"))
 
 

@@ -269,15 +269,13 @@ def test_entropy_detached_in_a_fresh_process():
 
 
 @pytest.fixture(scope="module")
-def runs_off(tmp_path_factory):
-    from opd_patches.smoke import run_recipe
-
-    out = tmp_path_factory.mktemp("skip_old_log_prob_off")
+def runs_off(k1_skip_off, topk_skip_off):
+    """The shared runs of k1 and topk with the pass on (tests/conftest.py), metrics rows per recipe."""
     rows = {}
-    for recipe in ("k1", "topk"):
-        result = run_recipe(recipe, out, 400, ["opd.skip_old_log_prob=false"])
-        assert result["ok"], result
-        rows[recipe] = [json.loads(line)["data"] for line in (Path(result["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
+    for recipe, run in (("k1", k1_skip_off), ("topk", topk_skip_off)):
+        metrics = run.out / recipe / "metrics.jsonl"
+        assert metrics.exists(), run.log[-3000:]
+        rows[recipe] = [json.loads(line)["data"] for line in metrics.read_text().splitlines()]
     return rows
 
 
