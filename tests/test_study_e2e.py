@@ -115,7 +115,9 @@ def test_sigkill_of_the_study_stops_its_run(study):
     seen, second = study["seen"], study["second"]
     assert seen["second_still_running"], second
     assert "run 2/4 k1 seed 2: resuming" in second and "run 3/4 topk seed 1: starting" in second, second
-    assert len(seen["killed_tree"]) > 3, seen  # the guard, run.sh's python and Ray's processes
+    # The guard and run.sh's python at least (Ray's processes too when the kill lands after its start-up,
+    # which depends on the machine's load); whichever were there, none may survive.
+    assert len(seen["killed_tree"]) >= 2, seen
     assert seen["killed_left"] == [], seen  # none outlives the SIGKILLed study
 
 
