@@ -2,7 +2,7 @@
 
 A trainer run costs a minute or more of mostly waiting (Ray start-up, process spawns, saves), so the
 suite declares each run once, starts the ones its selected tests need right after collection (at most
-OPD_TEST_JOBS at a time, default 2, in the order the tests will ask for them) and moves the tests that
+OPD_TEST_JOBS at a time, default 1, in the order the tests will ask for them) and moves the tests that
 read them to the end of the session: the fast tests and the other runs fill the waiting time.
 
 Attach a new end-to-end check to an existing run by requesting its fixture: tests/conftest.py has
@@ -78,7 +78,9 @@ class Pool:
         self.running: dict[str, tuple[int, threading.Thread]] = {}
         self.procs: dict[str, subprocess.Popen] = {}
         self.lock = threading.Condition()
-        self.jobs = max(1, int(os.environ.get("OPD_TEST_JOBS") or 2))
+        # One at a time by default: each CPU training holds a Ray cluster of ~5 GB, tests/test_ops_e2e.py runs
+        # up to three of its own beside the pool, and with two pool runs Ray's OOM killer (95% of 24 GiB) ended runs.
+        self.jobs = max(1, int(os.environ.get("OPD_TEST_JOBS") or 1))
         self.base: Path | None = None
         self.ready: Callable[[], Any] | None = None  # run once before the first job (the embedded models)
         self.thread: threading.Thread | None = None

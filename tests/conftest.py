@@ -2,7 +2,7 @@
 that several tests read (tests/background.py: started in the background right after collection).
 
 OPD_TEST_THREADS=N: torch intra-op threads of the test process (default: torch's own choice; the
-numerical tolerances hold for any count). OPD_TEST_JOBS=N: end-to-end runs at a time (default 2).
+numerical tolerances hold for any count). OPD_TEST_JOBS=N: end-to-end runs at a time (default 1: memory).
 """
 
 import os
