@@ -220,6 +220,14 @@ def configure_ray(config: DictConfig, run_dir: Path) -> None:
         if not isinstance(fast, bool):
             raise ConfigError(f"opd.fast_logprobs={fast!r}: use true, false or null (the built-in default).")
         env["OPD_FAST_LOGPROBS"] = "1" if fast else "0"
+    from opd_patches.bench import profile_update
+
+    try:
+        profile = profile_update.spec((config.opd.get("debug") or {}).get("profile_update"), run_dir)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    if profile:
+        env[profile_update.ENV] = profile
     with open_dict(config):
         ray_init = config.ray_kwargs.ray_init
         if ray_init.get("runtime_env") is None:

@@ -121,6 +121,17 @@ def _boundaries(position_ids, batch, length, device):
     return value
 
 
+_announced = set()
+
+
+def _announce(path: str, q: torch.Tensor) -> None:
+    """One line per process and path taken (the logs then show which kernel served the packed forwards)."""
+    key = (path, q.dtype, q.device.type)
+    if key not in _announced:
+        _announced.add(key)
+        print(f"[opd] {NAME}: {path} ({q.dtype}, {q.device.type}, {q.shape[1]} heads)", flush=True)
+
+
 def torch_varlen_attention_forward(
     module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, sliding_window=None,
     is_causal=None, position_ids=None, **kwargs,
@@ -139,6 +150,7 @@ def torch_varlen_attention_forward(
     cu, max_len = _boundaries(position_ids, batch, length, query.device)
     q, k, v = (t.transpose(1, 2).reshape(batch * length, t.shape[1], dim) for t in (query, key, value))
     kernel = kernel_for(q)
+    _announce("varlen kernel" if kernel else "per-sequence sdpa", q)
     out = call_kernel(kernel, q, k, v, cu, max_len, scaling) if kernel else per_sequence_sdpa(q, k, v, cu, scaling)
     return out.view(batch, length, heads, dim), None
 

@@ -1,0 +1,96 @@
+"""`opd.debug.profile_update=N`: torch.profiler over the N-th actor update of a launch (BENCH ONLY).
+
+The bench's plain update (`make bench PHASE=kernels`, row update/floor) runs at about a third of the
+time VERL's update_actor takes inside a step on the same GPU, and the shorter phases do not show where
+the rest goes. This wraps the worker's `actor.train_mini_batch` (upstream's one call per mini-batch,
+workers/engine_workers.py `update_actor`) on every rank and, for the N-th call only, records CPU and
+CUDA activity and writes to the run folder:
+- `profile_update_rank<r>.txt`: wall time, GPU-busy time (sum of kernel times), then the operators
+  by self CUDA time and by CPU time (torch.profiler's key_averages tables);
+- `profile_update_rank<r>.json`: the same totals and the top operators, for scripts.
+Other calls run unchanged. Selected through env OPD_PROFILE_UPDATE (set by opd_patches/main.py from the key).
+"""
+
+import json
+import os
+import time
+from pathlib import Path
+
+ENV = "OPD_PROFILE_UPDATE"  # "<N>:<folder>"
+ROWS = 40
+
+
+def spec(value, run_dir) -> str | None:
+    """The env value for recipe value `value` (null: off), or ValueError naming the key."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"opd.debug.profile_update={value!r}: use the update's number (1 = the first) or null.")
+    return f"{value}:{run_dir}"
+
+
+def install(worker) -> None:
+    """Wrap `worker.actor.train_mini_batch` when OPD_PROFILE_UPDATE asks for it (idempotent)."""
+    value = os.environ.get(ENV)
+    actor = getattr(worker, "actor", None)
+    if not value or actor is None or getattr(actor, "_opd_profiled", False):
+        return
+    n, folder = value.split(":", 1)
+    original = actor.train_mini_batch
+    calls = [0]
+
+    def train_mini_batch(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] != int(n):
+            return original(*args, **kwargs)
+        return _profiled(original, args, kwargs, Path(folder), getattr(worker, "rank", 0), int(n))
+
+    actor.train_mini_batch = train_mini_batch
+    actor._opd_profiled = True
+
+
+def _profiled(fn, args, kwargs, folder: Path, rank: int, n: int):
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    print(f"[opd] opd.debug.profile_update: profiling update {n} on rank {rank}", flush=True)
+    with profile(activities=activities) as prof:
+        start = time.perf_counter()
+        out = fn(*args, **kwargs)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - start
+    write(prof.key_averages(), wall, folder, rank, n)
+    return out
+
+
+def _self_device_us(event) -> float:
+    # torch >= 2.4 names it self_device_time_total; older ones self_cuda_time_total
+    return float(getattr(event, "self_device_time_total", getattr(event, "self_cuda_time_total", 0.0)))
+
+
+def write(averages, wall_s: float, folder: Path, rank: int, n: int) -> dict:
+    """Write the text and JSON reports of one profiled update; returns the JSON summary."""
+    events = list(averages)
+    device_s = sum(_self_device_us(e) for e in events) / 1e6
+    by_device = sorted(events, key=_self_device_us, reverse=True)[:ROWS]
+    by_cpu = sorted(events, key=lambda e: e.cpu_time_total, reverse=True)[:ROWS]
+    summary = {
+        "update": n, "rank": rank, "wall_s": wall_s, "device_busy_s": device_s,
+        "device_busy_fraction": device_s / wall_s if wall_s else None,
+        "top_device": [{"name": e.key, "calls": e.count, "self_device_s": _self_device_us(e) / 1e6}
+                       for e in by_device],
+        "top_cpu": [{"name": e.key, "calls": e.count, "cpu_total_s": e.cpu_time_total / 1e6,
+                     "self_cpu_s": e.self_cpu_time_total / 1e6} for e in by_cpu],
+    }
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"profile_update_rank{rank}.json").write_text(json.dumps(summary, indent=1))
+    head = (f"update {n}, rank {rank}: wall {wall_s:.3f} s, device busy {device_s:.3f} s "
+            f"({summary['device_busy_fraction'] or 0:.0%})\n\n")
+    sort_device = "self_device_time_total" if hasattr(events[0], "self_device_time_total") else "self_cuda_time_total"
+    tables = [averages.table(sort_by=sort_device, row_limit=ROWS) if device_s else "",
+              averages.table(sort_by="cpu_time_total", row_limit=ROWS)]
+    (folder / f"profile_update_rank{rank}.txt").write_text(head + "\n\n".join(tables))
+    print(f"[opd] opd.debug.profile_update: {head.strip()} -> {folder}/profile_update_rank{rank}.txt", flush=True)
+    return summary
