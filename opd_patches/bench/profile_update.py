@@ -8,7 +8,8 @@ CUDA activity and writes to the run folder:
 - `profile_update_rank<r>.txt`: wall time, GPU-busy time (sum of kernel times), then the operators
   by self CUDA time and by CPU time (torch.profiler's key_averages tables);
 - `profile_update_rank<r>.json`: the same totals and the top operators, for scripts.
-Other calls run unchanged. Selected through env OPD_PROFILE_UPDATE (set by opd_patches/main.py from the key).
+Every call prints its wall-clock stamps (the trainer prints its own around `update_actor`, so the
+log shows the time outside the worker's loop); N past the last update times them only. Selected through env OPD_PROFILE_UPDATE (set by opd_patches/main.py from the key).
 """
 
 import json
@@ -41,9 +42,15 @@ def install(worker) -> None:
 
     def train_mini_batch(*args, **kwargs):
         calls[0] += 1
+        start = time.time()
         if calls[0] != int(n):
-            return original(*args, **kwargs)
-        return _profiled(original, args, kwargs, Path(folder), getattr(worker, "rank", 0), int(n))
+            out = original(*args, **kwargs)
+        else:
+            out = _profiled(original, args, kwargs, Path(folder), getattr(worker, "rank", 0), int(n))
+        # wall-clock stamps: the trainer prints its own around update_actor (the gap is dispatch and transfer)
+        print(f"[opd] profile_update: rank {getattr(worker, 'rank', 0)} update {calls[0]} train_mini_batch "
+              f"{start:.3f} -> {time.time():.3f} ({time.time() - start:.2f} s)", flush=True)
+        return out
 
     actor.train_mini_batch = train_mini_batch
     actor._opd_profiled = True

@@ -19,6 +19,8 @@ Settings, under `trainer.v1.colocated_teacher` (upstream's place for per-mode se
 """
 
 import dataclasses
+import os
+import time
 
 import ray
 from omegaconf import DictConfig, open_dict
@@ -34,6 +36,7 @@ from verl.utils.config import omega_conf_to_dataclass
 from verl.utils.debug import marked_timer
 from verl.utils.import_utils import load_class_from_fqn
 
+from opd_patches.bench import profile_update
 from opd_patches.ops.trainer import OpsTrainerMixin
 from opd_patches.teacher.agent_loop import FQN as AGENT_LOOP_MANAGER_FQN
 from opd_patches.teacher.agent_loop import ColocatedTeacherAgentLoopManager
@@ -122,7 +125,12 @@ class ColocatedTeacherTrainer(OpsTrainerMixin, PPOTrainerSync):
                 old_log_prob.UPDATE_FLAG: self.old_log_prob_mode == old_log_prob.FROM_UPDATE,
                 old_log_prob.ENTROPY_FLAG: True,  # actor.calculate_entropy is on (old_log_prob.apply)
             })
-        return super()._update_actor(batch, metrics)
+        if not os.environ.get(profile_update.ENV):
+            return super()._update_actor(batch, metrics)
+        start = time.time()  # opd.debug.profile_update: stamps beside the worker's (bench only)
+        out = super()._update_actor(batch, metrics)
+        print(f"[opd] profile_update: trainer update_actor {start:.3f} -> {time.time():.3f}", flush=True)
+        return out
 
     def _compute_teacher_logprobs(self, batch):
         """Score the batch's samples (all of them, balance padding included) into TransferQueue."""
