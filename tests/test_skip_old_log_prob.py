@@ -296,3 +296,32 @@ def test_end_to_end_same_losses_and_grad_norms(smoke, runs_off, recipe):
         # update's in fp32 chunks (entropy_from_logits_with_chunking): equal up to bf16 rounding.
         assert a["actor/entropy"] == pytest.approx(b["actor/entropy"], rel=2e-2), (recipe, step)
         assert "timing_s/teacher" in a and not any(k.startswith("rollout_corr/") for k in a)
+
+
+def test_entropy_detached_never_compiles_and_chunks_exactly():
+    """VERL wraps the entropy in torch.compile(dynamic=True); on the H200 dynamo recompiled our metric-only
+    wrapper for every micro-batch length (recompile_limit hit inside the update). It must run eager, with
+    the values of the original, chunked or not."""
+    code = (
+        "import torch, opd_patches.registered, verl.utils.torch_functional as F\n"
+        "from opd_patches.backends import upstream_patches as up\n"
+        "up.ENTROPY_ROWS = 3\n"
+        "graphs = []\n"
+        "def backend(gm, example_inputs):\n"
+        "    graphs.append(gm)\n"
+        "    return gm.forward\n"
+        "for name in ('entropy_from_logits', 'entropy_from_logits_with_chunking'):\n"
+        "    f = getattr(F, name)\n"
+        "    compiled = torch.compile(f, dynamic=True, backend=backend)\n"
+        "    for rows in (2, 7, 11):\n"
+        "        z = torch.randn(rows, 13, requires_grad=True)\n"
+        "        got = compiled(z)\n"
+        "        assert not got.requires_grad and got.shape == (rows,)\n"
+        "        ref = f.__wrapped__(z.detach())\n"
+        "        assert torch.allclose(got, ref, rtol=0, atol=1e-6), (name, rows)\n"
+        "assert graphs == [], f'{len(graphs)} graph(s) compiled'\n"
+        "print('ok')"
+    )
+    env = {**os.environ, "OPD_ENTROPY_DETACHED": "1"}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-2000:]

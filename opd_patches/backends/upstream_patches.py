@@ -50,14 +50,18 @@ inputs of upstream's own tests, it returns what the original returns, or what "A
 7. Entropy as a metric only: with the student pass skipped the update computes the entropy for
    `actor/entropy`; at entropy_coeff 0 it contributes 0 to the loss, so (env OPD_ENTROPY_DETACHED=1)
    `verl_F.entropy_from_logits` and its chunked twin run on detached logits: same values, no
-   (T, V) autograd graph kept for a zero gradient. The FSDP engine reads them at construction.
+   (T, V) autograd graph kept for a zero gradient. The FSDP engine reads them at construction. They
+   run eager (torch.compiler.disable: VERL's torch.compile recompiled them per micro-batch length on
+   the H200), under no_grad, the unchunked one in row chunks of ENTROPY_ROWS.
 """
 
 import functools
 
+import torch
 import torch.distributed
 
 _MARK = "_opd_patched"
+ENTROPY_ROWS = 4096  # patch 7: rows per chunk of the metric-only entropy (a 4096 x 151,936 bf16 softmax: 1.2 GB)
 _ANNOUNCED = set()  # loss modes / kernels that announced their path in this process
 
 
@@ -221,6 +225,20 @@ def _patch_old_log_probs_from_update():
     workers.distillation_ppo_loss = distillation_ppo_loss
 
 
+# VERL's engine wraps the entropy in torch.compile(dynamic=True) (engine/fsdp/transformer_impl.py:184); on
+# the H200 dynamo specialised it on each micro-batch's token count and recompiled (about 4 s each, up to its
+# recompile limit of 8) inside the update. This metric-only pass runs eager: dynamo stops at this function
+# (torch.compile unwraps a disabled function handed to it directly, hence the call one level down).
+@torch.compiler.disable
+def _metric_entropy(original, name, logits, args, kwargs):
+    with torch.no_grad():
+        logits = logits.detach()
+        if name == "entropy_from_logits" and logits.dim() == 2 and logits.shape[0] > ENTROPY_ROWS:
+            # row-wise maths: chunks give the same values without a (T, V) softmax at once
+            return torch.cat([original(c) for c in logits.split(ENTROPY_ROWS)])
+        return original(logits, *args, **kwargs)
+
+
 def _patch_entropy_detached():
     import os
 
@@ -233,8 +251,8 @@ def _patch_entropy_detached():
         if getattr(original, _MARK, False):
             continue
 
-        def detached(logits, *args, _original=original, **kwargs):
-            return _original(logits.detach(), *args, **kwargs)
+        def detached(logits, *args, _original=original, _name=name, **kwargs):
+            return _metric_entropy(_original, _name, logits, args, kwargs)
 
         functools.update_wrapper(detached, original)
         setattr(detached, _MARK, True)
