@@ -90,6 +90,9 @@ class OpsTrainerMixin:
         debug = opd.get("debug") or {}
         self.ops_inject_step = debug.get("inject_nan_step")
         self.ops_inject_into = str(debug.get("inject_nan_into") or "loss")
+        # TEST ONLY: the wall clock counts from the first step instead of the launch, so that a test's
+        # clock does not depend on how long start-up took on a loaded machine.
+        self.ops_clock_from_first_step = bool(debug.get("wall_clock_from_first_step", False))
         saves = debug.get("save_steps")  # BENCH ONLY: save after these steps only (make bench PHASE=step)
         self.ops_save_steps = None if saves is None else {int(x) for x in saves}
         if self.ops_inject_into not in ("loss", "teacher"):
@@ -208,6 +211,8 @@ class OpsTrainerMixin:
     # ---- step boundaries ----------------------------------------------------------------------
     def on_step_begin(self):
         if self._ops_steps_this_process == 0:
+            if self.ops_clock_from_first_step:
+                self.ops_clock.launched_at = time.time()
             spent, why = self.ops_clock.exhausted_before_start()
             if spent:
                 raise _WallClockSpent(why)
