@@ -61,8 +61,9 @@ smoke-gpu: $(DEPS)
 test: $(DEPS)
 	$(PY) -m pytest -q --durations=20
 
+# The quick loop: no end-to-end run, no fresh process importing VERL (both run in `make test`).
 test-fast: $(DEPS)
-	$(PY) -m pytest -q -m "not slow" --durations=10
+	$(PY) -m pytest -q -m "not slow and not fresh_process" --durations=10
 
 vendor-check: $(DEPS)
 	$(PY) verl_vendor/vendor.py check

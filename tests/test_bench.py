@@ -31,6 +31,7 @@ def test_phase_registry_names_the_three_phases_or_explains():
     assert proc.returncode != 0 and "PHASES" in proc.stderr
 
 
+@pytest.mark.fresh_process
 def test_kernels_phase_at_cpu_size_writes_valid_json(tmp_path):
     out = tmp_path / "bench.json"
     results.merge(out, "teacher", {"size": "cpu", "rows": []})
@@ -49,6 +50,7 @@ def test_kernels_phase_at_cpu_size_writes_valid_json(tmp_path):
     assert "loss/lean_topk_tail" in proc.stdout and "ratio" in proc.stdout
 
 
+@pytest.mark.fresh_process
 def test_cpu_kernels_script_writes_json(tmp_path):
     out = tmp_path / "cpu.json"
     proc = subprocess.run(

@@ -237,6 +237,7 @@ print(json.dumps({"mode": getattr(TRAINER_REGISTRY.get("colocated_teacher"), "__
     "modules,mode", [("opd_patches.registered", None),
                      ("opd_patches.registered,opd_patches.teacher.trainer", "ColocatedTeacherTrainer")]
 )
+@pytest.mark.fresh_process
 def test_trainer_mode_registered_through_the_env_var(modules, mode):
     """`colocated_teacher` exists in processes whose VERL_USE_EXTERNAL_MODULES names its module (main.py
     adds it for colocated runs). opd_patches alone does not import it: VERL's trainer imports its engines,

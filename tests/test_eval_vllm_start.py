@@ -99,6 +99,7 @@ def _run(embedded, suite, tmp_path, backend, gpus=1):
     return proc, (json.loads(record.read_text()) if record.exists() else None)
 
 
+@pytest.mark.fresh_process
 @pytest.mark.parametrize("backend", ["vllm", "auto"])
 def test_engine_starts_with_spawn_and_no_cuda_call_before_it(embedded, suite, tmp_path, backend):
     proc, engine = _run(embedded, suite, tmp_path, backend)

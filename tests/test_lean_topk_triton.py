@@ -36,6 +36,7 @@ def small_blocks(monkeypatch):
     monkeypatch.delenv(lt.KERNEL_ENV, raising=False)
 
 
+@pytest.mark.fresh_process
 @pytest.mark.skipif(INTERPRETED, reason="this is the interpreter process")
 def test_kernels_in_triton_interpreter():
     env = {**os.environ, "TRITON_INTERPRET": "1"}

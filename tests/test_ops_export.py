@@ -8,6 +8,8 @@ plain transformers refused to load; the first H200 run's validation failed on ex
 import json
 import shutil
 
+import pytest
+
 from opd_patches.backends import torch_varlen
 from opd_patches.ops import export, finish, receipts
 
@@ -26,6 +28,7 @@ def test_project_only_names_are_the_registered_ones():
     assert export.PROJECT_ONLY == {torch_varlen.NAME}
 
 
+@pytest.mark.fresh_process
 def test_finish_makes_a_torch_varlen_export_loadable(tmp_path, embedded):
     state, hf = _state_with_export(tmp_path, embedded["student"], torch_varlen.NAME)
     out = finish.finish(state, 1, validate=True, expected_params=None, timeout_s=600)

@@ -10,6 +10,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from opd_patches.ops import checkpoints, finish, receipts
 from test_ops_checkpoints import make_state
 
@@ -20,6 +22,7 @@ def listing(run):
     return [(s["step"], s["complete"], s["validated"]) for s in checkpoints.list_states(run)]
 
 
+@pytest.mark.fresh_process
 def test_failed_validation_is_recorded_and_never_displaces_the_last_validated_state(tmp_path):
     make_state(tmp_path, 1)
     bad = make_state(tmp_path, 2, complete=False)  # its export has no config.json: validation fails

@@ -188,10 +188,19 @@ def test_cuda_visible_devices_decides_the_assigned_gpus(monkeypatch, visible, pi
     assert sorted(p.pid for p in gpu.busy(query=canned(), own_pids=())) == pids
 
 
-def test_own_process_and_ancestors_do_not_count():
+def _own_and_parent_are_free() -> None:
     apps = f"{UUID0}, {os.getpid()}, pytest, 100\n{UUID0}, {os.getppid()}, parent study, 100\n"
     assert gpu.busy(query=canned(apps=apps)) == []
     assert gpu.check(query=canned(apps=apps), wait_s=0) == "assigned GPUs are free"
+
+
+def test_own_process_and_ancestors_do_not_count():
+    """Checked in a child of this process, whose parent (pytest) is a real ancestor whatever started
+    pytest: init (pid 1) never counts, and a pytest orphaned under it (nohup ... &) has no other parent."""
+    child = multiprocessing.get_context("spawn").Process(target=_own_and_parent_are_free)
+    child.start()
+    child.join(120)
+    assert child.exitcode == 0
 
 
 def test_waits_for_a_finishing_run_to_release_the_gpu():

@@ -36,6 +36,7 @@ def test_async_standalone_modes_are_left_alone():
     assert c.trainer.v1.trainer_mode == "separate_async"
 
 
+@pytest.mark.fresh_process
 def test_modes_registered_in_a_fresh_process_through_the_env_var():
     env = {k: v for k, v in os.environ.items() if k not in ("VERL_USE_EXTERNAL_MODULES", "VERL_PLATFORM")}
     env["VERL_USE_EXTERNAL_MODULES"] = "opd_patches.registered,opd_patches.ops.trainer,opd_patches.teacher.trainer"

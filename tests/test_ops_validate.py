@@ -55,6 +55,7 @@ def test_resolve_run_and_state_folders(run_dir):
     assert validate.resolve_export(export) == export
 
 
+@pytest.mark.fresh_process
 def test_cli_on_a_run_folder(run_dir, embedded, tmp_path):
     out = tmp_path / "v.json"
     proc = subprocess.run([sys.executable, "-m", "opd_patches.validate", str(run_dir), "--expected-from",

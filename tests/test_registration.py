@@ -12,6 +12,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 PROBE = textwrap.dedent(
     """
     import json, verl
@@ -38,6 +40,7 @@ def probe(code=PROBE, **env):
     return out
 
 
+@pytest.mark.fresh_process
 def test_registered_in_a_fresh_process_through_the_env_var():
     out = probe(VERL_USE_EXTERNAL_MODULES="opd_patches.registered")
     assert out.returncode == 0, out.stderr
@@ -45,6 +48,7 @@ def test_registered_in_a_fresh_process_through_the_env_var():
         ("platform_cpu", "replica_hf", "rollout_hf", "topk_patch", "gloo_patch"), True)
 
 
+@pytest.mark.fresh_process
 def test_nothing_registered_without_the_env_var():
     """Registration must not depend on the silent `verl.plugins` entry point (there is none)."""
     out = probe()
@@ -52,6 +56,7 @@ def test_nothing_registered_without_the_env_var():
     assert not any(json.loads(out.stdout.splitlines()[-1]).values())
 
 
+@pytest.mark.fresh_process
 def test_register_is_idempotent():
     code = "import opd_patches, verl\n" "opd_patches.register(); opd_patches.register()\n" + PROBE
     out = probe(code, VERL_USE_EXTERNAL_MODULES="opd_patches.registered")
@@ -83,6 +88,7 @@ def test_importing_the_package_is_cheap():
     assert json.loads(out.stdout.splitlines()[-1]) == {"verl": False, "torch": False, "ray": False}
 
 
+@pytest.mark.fresh_process
 def test_plain_import_registers_nothing():
     out = probe("import opd_patches, verl\n" + PROBE)
     assert out.returncode == 0, out.stderr

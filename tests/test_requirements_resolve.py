@@ -64,6 +64,7 @@ def resolve(profile, tmp_path):
     return tomllib.loads(out.read_text())["packages"]
 
 
+@pytest.mark.fresh_process
 def test_gpu_profile_resolves_for_the_gpu_hosts(pypi, tmp_path):
     packages = resolve("gpu", tmp_path)
     got = {wheelhouse.norm(p["name"]): p["version"] for p in packages}

@@ -4,6 +4,8 @@ import os
 import subprocess
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -27,6 +29,7 @@ def test_unknown_device():
     assert out.returncode == 2 and "DEVICE=tpu" in out.stderr
 
 
+@pytest.mark.fresh_process
 def test_missing_model_path_is_named(tmp_path):
     out = run_sh("recipe=k1", DEVICE="cpu", STUDENT=str(tmp_path / "missing-student"), OUTPUT_DIR=str(tmp_path / "run"))
     assert out.returncode == 2, out.stderr[-2000:]

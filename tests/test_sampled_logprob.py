@@ -207,6 +207,7 @@ def test_end_to_end_patched_path_matches_upstream(logprob_run_pair):
     assert on["actor/distillation/loss"] == pytest.approx(off["actor/distillation/loss"], abs=1e-2)
 
 
+@pytest.mark.fresh_process
 def test_a_fresh_process_gets_the_patch_through_the_env_var():
     """What VERL_USE_EXTERNAL_MODULES=opd_patches.registered does in every Ray worker."""
     import os

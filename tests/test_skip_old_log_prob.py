@@ -250,6 +250,14 @@ def test_guard_upstream_shapes():
     assert callable(verl_F.entropy_from_logits) and callable(verl_F.entropy_from_logits_with_chunking)
 
 
+def run_detached(code: str) -> None:
+    """Run `code` (ending in print('ok')) in a fresh process with OPD_ENTROPY_DETACHED=1, as Ray workers get it."""
+    env = {**os.environ, "OPD_ENTROPY_DETACHED": "1"}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-2000:]
+
+
+@pytest.mark.fresh_process
 def test_entropy_detached_in_a_fresh_process():
     """With OPD_ENTROPY_DETACHED=1 (main sets it in every Ray process), the entropy keeps no graph."""
     code = (
@@ -260,9 +268,7 @@ def test_entropy_detached_in_a_fresh_process():
         "    assert torch.equal(f(z), f.__wrapped__(z).detach())\n"
         "print('ok')"
     )
-    env = {**os.environ, "OPD_ENTROPY_DETACHED": "1"}
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-2000:]
+    run_detached(code)
 
 
 # ---- 4. end to end: the real trainer, key on (the smoke run: auto) and off ------------------------
@@ -298,6 +304,7 @@ def test_end_to_end_same_losses_and_grad_norms(smoke, runs_off, recipe):
         assert "timing_s/teacher" in a and not any(k.startswith("rollout_corr/") for k in a)
 
 
+@pytest.mark.fresh_process
 def test_entropy_detached_never_compiles_and_chunks_exactly():
     """VERL wraps the entropy in torch.compile(dynamic=True); on the H200 dynamo recompiled our metric-only
     wrapper for every micro-batch length (recompile_limit hit inside the update). It must run eager, with
@@ -322,6 +329,4 @@ def test_entropy_detached_never_compiles_and_chunks_exactly():
         "assert graphs == [], f'{len(graphs)} graph(s) compiled'\n"
         "print('ok')"
     )
-    env = {**os.environ, "OPD_ENTROPY_DETACHED": "1"}
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-2000:]
+    run_detached(code)

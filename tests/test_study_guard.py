@@ -15,6 +15,8 @@ import time
 
 import psutil
 
+import pytest
+
 from opd_patches.study import runner
 
 # an orphan (its parent subshell exits at once), a process in its own group, then the foreground sleep
@@ -42,6 +44,7 @@ def wait_gone(pids, timeout):
     return left
 
 
+@pytest.mark.fresh_process
 def test_sigkilled_study_takes_its_run_down(tmp_path):
     child_file = tmp_path / "child.json"
     study = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
@@ -69,6 +72,7 @@ def test_sigkilled_study_takes_its_run_down(tmp_path):
             os.kill(pid, signal.SIGKILL)
 
 
+@pytest.mark.fresh_process
 def test_a_normal_exit_sweeps_the_session_and_keeps_the_status(tmp_path):
     child_file = tmp_path / "child.json"
     code = runner.run_child(["sh", "-c", "(sleep 300 &) ; exit 3"], None, tmp_path / "run.log", child_file)

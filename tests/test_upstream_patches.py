@@ -31,6 +31,7 @@ def test_dedupe_backend():
     assert dedupe_backend(None) is None
 
 
+@pytest.mark.fresh_process
 def test_torch_refuses_the_duplicate_and_accepts_it_patched(tmp_path):
     """A real single-rank gloo group, with and without the patch, in fresh processes."""
     code = textwrap.dedent(

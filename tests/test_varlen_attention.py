@@ -242,6 +242,7 @@ def test_tiny_model_padded_batch_and_generation_match_sdpa():
                                            pad_token_id=0))
 
 
+@pytest.mark.fresh_process
 def test_registered_in_a_fresh_process_through_the_env_var():
     code = ("import json, verl\nfrom transformers import AttentionInterface\n"
             "from transformers.masking_utils import AttentionMaskInterface\n"
