@@ -37,19 +37,17 @@ def install(worker) -> None:
     if not value or actor is None or getattr(actor, "_opd_profiled", False):
         return
     n, folder = value.split(":", 1)
+    n, folder, rank = int(n), Path(folder), getattr(worker, "rank", 0)
     original = actor.train_mini_batch
     calls = [0]
 
     def train_mini_batch(*args, **kwargs):
         calls[0] += 1
         start = time.time()
-        if calls[0] != int(n):
-            out = original(*args, **kwargs)
-        else:
-            out = _profiled(original, args, kwargs, Path(folder), getattr(worker, "rank", 0), int(n))
-        # wall-clock stamps: the trainer prints its own around update_actor (the gap is dispatch and transfer)
-        print(f"[opd] profile_update: rank {getattr(worker, 'rank', 0)} update {calls[0]} train_mini_batch "
-              f"{start:.3f} -> {time.time():.3f} ({time.time() - start:.2f} s)", flush=True)
+        out = _profiled(original, args, kwargs, folder, rank, n) if calls[0] == n else original(*args, **kwargs)
+        end = time.time()  # stamps: the trainer prints its own around update_actor (the gap: dispatch, transfer)
+        print(f"[opd] profile_update: rank {rank} update {calls[0]} train_mini_batch {start:.3f} -> {end:.3f} "
+              f"({end - start:.2f} s)", flush=True)
         return out
 
     actor.train_mini_batch = train_mini_batch
@@ -73,8 +71,7 @@ def _profiled(fn, args, kwargs, folder: Path, rank: int, n: int):
 
 
 def _self_device_us(event) -> float:
-    # torch >= 2.4 names it self_device_time_total; older ones self_cuda_time_total
-    return float(getattr(event, "self_device_time_total", getattr(event, "self_cuda_time_total", 0.0)))
+    return float(event.self_device_time_total)
 
 
 def write(averages, wall_s: float, folder: Path, rank: int, n: int) -> dict:
@@ -99,8 +96,7 @@ def write(averages, wall_s: float, folder: Path, rank: int, n: int) -> dict:
     (folder / f"profile_update_rank{rank}.json").write_text(json.dumps(summary, indent=1))
     head = (f"update {n}, rank {rank}: wall {wall_s:.3f} s, device busy {device_s:.3f} s "
             f"({summary['device_busy_fraction'] or 0:.0%})\n\n")
-    sort_device = "self_device_time_total" if hasattr(events[0], "self_device_time_total") else "self_cuda_time_total"
-    tables = [averages.table(sort_by=sort_device, row_limit=ROWS) if device_s else "",
+    tables = [averages.table(sort_by="self_device_time_total", row_limit=ROWS) if device_s else "",
               averages.table(sort_by="cpu_time_total", row_limit=ROWS)]
     (folder / f"profile_update_rank{rank}.txt").write_text(head + "\n\n".join(tables))
     print(f"[opd] opd.debug.profile_update: {head.strip()} -> {folder}/profile_update_rank{rank}.txt", flush=True)

@@ -125,11 +125,10 @@ class ColocatedTeacherTrainer(OpsTrainerMixin, PPOTrainerSync):
                 old_log_prob.UPDATE_FLAG: self.old_log_prob_mode == old_log_prob.FROM_UPDATE,
                 old_log_prob.ENTROPY_FLAG: True,  # actor.calculate_entropy is on (old_log_prob.apply)
             })
-        if not os.environ.get(profile_update.ENV):
-            return super()._update_actor(batch, metrics)
-        start = time.time()  # opd.debug.profile_update: stamps beside the worker's (bench only)
+        start = time.time()
         out = super()._update_actor(batch, metrics)
-        print(f"[opd] profile_update: trainer update_actor {start:.3f} -> {time.time():.3f}", flush=True)
+        if os.environ.get(profile_update.ENV):  # opd.debug.profile_update: stamps beside the worker's (bench only)
+            print(f"[opd] profile_update: trainer update_actor {start:.3f} -> {time.time():.3f}", flush=True)
         return out
 
     def _compute_teacher_logprobs(self, batch):
