@@ -202,6 +202,11 @@ def configure_ray(config: DictConfig, run_dir: Path) -> None:
 
     if entropy_detached(config):  # upstream_patches 7: the update's entropy is a metric only
         env["OPD_ENTROPY_DETACHED"] = "1"
+    state_write = config.opd.get("background_state_write", True)
+    if not isinstance(state_write, bool):
+        raise ConfigError(f"opd.background_state_write={state_write!r}: use true or false.")
+    if state_write:  # upstream_patches 8: state files written by a thread of each worker
+        env["OPD_ASYNC_STATE_WRITE"] = "1"
     lean = config.opd.get("lean_topk")  # null: the default in opd_patches/losses/lean_topk.py
     if lean is not None:
         if not isinstance(lean, bool):

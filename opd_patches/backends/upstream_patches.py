@@ -53,6 +53,11 @@ inputs of upstream's own tests, it returns what the original returns, or what "A
    (T, V) autograd graph kept for a zero gradient. The FSDP engine reads them at construction. They
    run eager (torch.compiler.disable: VERL's torch.compile recompiled them per micro-batch length on
    the H200), under no_grad, the unchunked one in row chunks of ENTROPY_ROWS.
+8. State files written in the background (`opd.background_state_write`, env OPD_ASYNC_STATE_WRITE=1,
+   ops/state_writer.py): `FSDPCheckpointManager.save_checkpoint` calls `torch.save(obj, path)` through its
+   module's global `torch`; for the duration of that one method the global names a module proxy whose
+   `save` snapshots `obj` to host memory and queues it for a writer thread (every other attribute is
+   torch's). Accepts: everything the original does; file objects (not paths) are written at once.
 """
 
 import functools
@@ -259,6 +264,26 @@ def _patch_entropy_detached():
         setattr(verl_F, name, detached)
 
 
+def _patch_state_write():
+    from opd_patches.ops import state_writer
+
+    if not state_writer.enabled():
+        return
+    from verl.utils.checkpoint import fsdp_checkpoint_manager as module
+
+    original = module.FSDPCheckpointManager.save_checkpoint
+    if getattr(original, _MARK, False):
+        return
+
+    @functools.wraps(original)
+    def save_checkpoint(self, *args, **kwargs):
+        with state_writer.deferred_saves(module):
+            return original(self, *args, **kwargs)
+
+    setattr(save_checkpoint, _MARK, True)
+    module.FSDPCheckpointManager.save_checkpoint = save_checkpoint
+
+
 def apply():
     _patch_init_process_group()
     _patch_topk_validation()
@@ -267,3 +292,4 @@ def apply():
     _patch_logprobs_fallback()
     _patch_old_log_probs_from_update()
     _patch_entropy_detached()
+    _patch_state_write()

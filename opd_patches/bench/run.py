@@ -1,6 +1,6 @@
 """CLI of `make bench`: run one phase at one size, merge it into the JSON, print the table.
 
-    python -m opd_patches.bench --phase kernels|teacher|step|layout [--size full|cpu] [--out bench.json]
+    python -m opd_patches.bench --phase kernels|teacher|step|layout|save [--size full|cpu] [--out bench.json]
         [--variants k1_pg lean_topk_tail ...] [--no-model]          (kernels)
         [--recipe topk [k1 ...]] [--gpus 0 1] [--rollout vllm|hf] [--steps 2] [--override K=V ...]   (step)
 """
@@ -19,6 +19,7 @@ PHASES = {
     "teacher": "opd_patches.bench.teacher:run_phase",
     "step": "opd_patches.bench.step:run_phase",
     "layout": "opd_patches.bench.layout:run_phase",
+    "save": "opd_patches.bench.save:run_phase",
 }
 
 

@@ -5,9 +5,11 @@
 
 With `opd.background_save: true` (recipes/base.yaml) the trainer starts this as a subprocess right
 after upstream's save and trains on; otherwise it calls `finish()` in-process. Either way the order
-is the same: export validation (`opd_patches.validate` in a CPU-only child process), the sha256 of
-every file, the receipt written last (receipts.py: only now is the state complete), then pruning
-(checkpoints.py; only here, over completed states, one finish at a time).
+is the same: export validation (`opd_patches.validate` in a CPU-only child process), the end of the
+state files' background writes (state_writer.py), the sha256 of every file, the receipt written last
+(receipts.py: only now is the state complete), then pruning (checkpoints.py; only here, over
+completed states, one finish at a time). A state file whose write failed leaves the state without a
+receipt (the result names it under "error").
 
 A background finish dies with the trainer (`--parent-pid`: Linux parent-death signal, and an exit
 when that parent is already gone), and its validator dies with it: a SIGKILL of the training leaves
@@ -27,7 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from opd_patches.ops import checkpoints, export, receipts
+from opd_patches.ops import checkpoints, export, receipts, state_writer
 
 _PR_SET_PDEATHSIG = 1
 
@@ -73,6 +75,11 @@ def finish(state: Path, step: int, validate: bool = True, expected_params: int |
     export.make_portable(state / receipts.HF_EXPORT)  # before validation and hashing: what users load
     validation = validate_export(state / receipts.HF_EXPORT, expected_params, timeout_s) if validate else None
     t1 = time.monotonic()
+    try:
+        state_writer.wait_for_writes(state, timeout_s)  # background state writes (state_writer.py) end first
+    except (OSError, TimeoutError) as exc:
+        return {"step": int(step), "error": str(exc), "ended_at": time.time()}
+    t_written = time.monotonic()
     files = receipts.inventory(state)
     t2 = time.monotonic()
     try:
@@ -84,7 +91,7 @@ def finish(state: Path, step: int, validate: bool = True, expected_params: int |
     (state / receipts.PENDING).unlink(missing_ok=True)
     removed = checkpoints.prune(state.parent, keep) if keep else []
     return {"step": int(step), "validation": validation, "pruned": removed, "validate_s": t1 - t0,
-            "hash_s": t2 - t1, "seconds": time.monotonic() - t0, "ended_at": time.time()}
+            "write_wait_s": t_written - t1, "hash_s": t2 - t_written, "seconds": time.monotonic() - t0, "ended_at": time.time()}
 
 
 def launch(state: Path, step: int, result: Path, **kwargs) -> subprocess.Popen:

@@ -193,7 +193,8 @@ class OpsTrainerMixin:
         how = f"{waited:.1f} s waited + {background_s:.1f} s in the background" if background else f"{waited:.1f} s"
         print(f"[opd] saved step {step}: receipt written, export validation "
               f"{ {True: 'ok', False: 'FAILED', None: 'skipped'}[ok] }, {how} (validation {out['validate_s']:.1f} s, "
-              f"hashing {out['hash_s']:.1f} s)" + (f"; pruned steps {removed}" if removed else ""), flush=True)
+              f"then state write {out.get('write_wait_s', 0.0):.1f} s, hashing {out['hash_s']:.1f} s)"
+              + (f"; pruned steps {removed}" if removed else ""), flush=True)
         if ok is False:
             print(f"[opd] WARNING: the step-{step} export failed validation: {validation['error']}; "
                   "it does not count as a kept state", flush=True)

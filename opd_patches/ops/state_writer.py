@@ -1,0 +1,155 @@
+"""Upstream's state files written by a thread of the worker, so that training does not wait for the disk.
+
+VERL's `FSDPCheckpointManager.save_checkpoint` (verl/utils/checkpoint/fsdp_checkpoint_manager.py) writes
+each rank's model, optimizer and extra state with `torch.save(obj, path)`: at 1.5B on one H200 that
+is 21.3 GB from GPU memory, ~32 s during which the trainer waits. With `opd.background_state_write`
+(env OPD_ASYNC_STATE_WRITE=1; upstream_patches 8 routes those three calls here):
+
+- the call copies every tensor of `obj` to host memory (a snapshot: training goes on and updates the
+  originals in place), leaves the marker `<path>.writing` and returns;
+- one writer thread per process writes the snapshots in order to `<path>.partial`, renames it to
+  `<path>`, then removes the marker; a write that fails leaves `<path>.write-failed` (the error) instead;
+- the finish (finish.py, which hashes the state and writes its receipt) first waits until no
+  `.writing` marker is left under the state (`wait_for_writes`); a failure marker keeps the state
+  without a receipt: incomplete, never resumed from. A kill before the writes end leaves no receipt either.
+
+The files hold host tensors (DTensors with host-local shards under FSDP2), the format of upstream's own
+FSDP1 save (`offload_to_cpu=True`) and of torch's `cpu_offload` state dicts: upstream's load
+(`torch.load`, then `load_state_dict`) copies them onto the device (tests/test_state_writer.py loads
+them through upstream's `load_checkpoint`). Host memory: one state's snapshot per process until written.
+"""
+
+import atexit
+import contextlib
+import copy
+import os
+import queue
+import threading
+import time
+import types
+from pathlib import Path
+
+import torch
+
+ENV = "OPD_ASYNC_STATE_WRITE"
+WRITING, FAILED, PARTIAL = ".writing", ".write-failed", ".partial"
+PINNED = False  # snapshot into page-locked host memory (faster copy, pinning costs once; see README)
+
+
+def enabled() -> bool:
+    return os.environ.get(ENV) == "1"
+
+
+def snapshot(obj):
+    """`obj` with every tensor replaced by a host copy (dicts, lists and tuples walked; other leaves copied)."""
+    if isinstance(obj, torch.Tensor):
+        return _host(obj.detach())
+    if isinstance(obj, dict):
+        return type(obj)((k, snapshot(v)) for k, v in obj.items())
+    if isinstance(obj, list):
+        return [snapshot(v) for v in obj]
+    if isinstance(obj, tuple) and type(obj) is tuple:
+        return tuple(snapshot(v) for v in obj)
+    return copy.deepcopy(obj)
+
+
+def _host(t: torch.Tensor) -> torch.Tensor:
+    if not (PINNED and t.device.type == "cuda"):
+        return t.to("cpu", copy=True)  # a DTensor stays one, with a host-local shard
+    from torch.distributed.tensor import DTensor
+
+    local = t._local_tensor if isinstance(t, DTensor) else t
+    host = torch.empty_like(local, device="cpu", pin_memory=True).copy_(local, non_blocking=True)
+    # as torch's own pinned state-dict staging builds it (distributed/_state_dict_utils.py): same spec, host shard
+    return DTensor(host, t._spec, requires_grad=False) if isinstance(t, DTensor) else host
+
+
+class _Writer:
+    """One thread, writes in submission order; `_save` is torch.save as imported here (never the proxy)."""
+
+    def __init__(self, save=torch.save):
+        self._save = save
+        self._jobs: queue.Queue = queue.Queue()
+        self._thread = None
+        self._lock = threading.Lock()
+
+    def submit(self, obj, path: str, args, kwargs) -> None:
+        path = os.fspath(path)
+        Path(path + FAILED).unlink(missing_ok=True)
+        Path(path + WRITING).write_text(str(os.getpid()))  # before returning: the finish waits for it
+        staged = snapshot(obj)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()  # the copies are done before training touches the originals again
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name="opd-state-writer", daemon=True)
+                self._thread.start()
+                atexit.register(self.drain)  # a clean interpreter exit writes what it was given first
+                print(f"[opd] state files are written by a thread of this worker (opd.background_state_write), "
+                      f"first: {path}", flush=True)
+        self._jobs.put((staged, path, args, kwargs))
+
+    def drain(self) -> None:
+        """Wait until every submitted state file is written (or has failed)."""
+        self._jobs.join()
+
+    def _loop(self) -> None:
+        while True:
+            staged, path, args, kwargs = self._jobs.get()
+            try:
+                self._save(staged, path + PARTIAL, *args, **kwargs)
+                os.replace(path + PARTIAL, path)
+            except BaseException as exc:  # noqa: BLE001 - recorded for the finish, never lost
+                Path(path + FAILED).write_text(f"{type(exc).__name__}: {exc}")
+                Path(path + PARTIAL).unlink(missing_ok=True)
+            finally:
+                del staged
+                Path(path + WRITING).unlink(missing_ok=True)
+                self._jobs.task_done()
+
+
+_WRITER = _Writer()
+
+
+class _TorchDeferredSave(types.ModuleType):
+    """`torch` as upstream's module sees it during a save: the same, except `save` goes to the writer."""
+
+    def __init__(self, writer: _Writer):
+        super().__init__("torch")
+        self._writer = writer
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    def save(self, obj, f, *args, **kwargs):
+        if not isinstance(f, (str, os.PathLike)):  # file objects: the caller owns them, so write now
+            return torch.save(obj, f, *args, **kwargs)
+        self._writer.submit(obj, f, args, kwargs)
+
+
+@contextlib.contextmanager
+def deferred_saves(module, writer: _Writer | None = None):
+    """While inside, `module`'s global name `torch` defers `torch.save(obj, path)` to the writer thread."""
+    original = module.torch
+    module.torch = _TorchDeferredSave(writer or _WRITER)
+    try:
+        yield
+    finally:
+        module.torch = original
+
+
+def wait_for_writes(state: Path, timeout_s: float, poll_s: float = 0.2) -> None:
+    """Block until no file of `state` is still being written; raise if one failed or the wait times out."""
+    state = Path(state)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        failed = sorted(state.rglob("*" + FAILED))
+        if failed:
+            f = failed[0]
+            raise OSError(f"writing {f.relative_to(state).as_posix()[:-len(FAILED)]} of {state} failed "
+                          f"({f.read_text().strip()}); the state stays incomplete")
+        if not any(state.rglob("*" + WRITING)):
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the state files of {state} were still being written after {timeout_s:g} s")
+        time.sleep(poll_s)
