@@ -54,6 +54,16 @@ def test_spec_loads_and_plans_runs(tmp_path):
     assert "trainer.total_training_steps=2" not in p.identity()["overrides"]  # a longer budget resumes
 
 
+def test_shipped_smoke_spec_plans_two_arms_by_two_seeds(tmp_path, capsys):
+    """`make study SPEC=recipes/studies/smoke.yaml` as documented (test_study_e2e.py runs it with one seed)."""
+    from opd_patches.study.cli import main
+
+    path = Path(__file__).resolve().parents[1] / "recipes" / "studies" / "smoke.yaml"
+    assert main([str(path), "--out", str(tmp_path / "out"), "--dry-run"]) == 0
+    assert "start: 2 arms x 2 seeds = 4 runs: 0 complete" in capsys.readouterr().out
+    assert load(path).eval["backend"] == "hf"
+
+
 @pytest.mark.parametrize("change, key", [
     ({"colour": 1}, "`colour`"),
     ({"recipe": "nope"}, "`recipe`"),
