@@ -16,7 +16,8 @@ is 21.3 GB from GPU memory, ~32 s during which the trainer waits. With `opd.back
 The files hold host tensors (DTensors with host-local shards under FSDP2), the format of upstream's own
 FSDP1 save (`offload_to_cpu=True`) and of torch's `cpu_offload` state dicts: upstream's load
 (`torch.load`, then `load_state_dict`) copies them onto the device (tests/test_state_writer.py loads
-them through upstream's `load_checkpoint`). Host memory: one state's snapshot per process until written.
+them through upstream's `load_checkpoint`). Host memory: one state's snapshot per process, page-locked
+and kept for the next save (PINNED).
 """
 
 import atexit
@@ -33,7 +34,10 @@ import torch
 
 ENV = "OPD_ASYNC_STATE_WRITE"
 WRITING, FAILED, PARTIAL = ".writing", ".write-failed", ".partial"
-PINNED = False  # snapshot into page-locked host memory (faster copy, pinning costs once; see README)
+# Snapshots of CUDA tensors go to page-locked host memory: on the H200, 21.3 GB in 3.3 s against 19.1 s pageable;
+# pinning costs once (the first save: 10.3 s), then torch's caching host allocator reuses the blocks, so the
+# process keeps one state's size pinned (make bench PHASE=save, README).
+PINNED = True
 
 
 def enabled() -> bool:
