@@ -60,6 +60,10 @@ def _local(sd):
     return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).clone() for k, v in sd.items()}
 
 
+class Other(torch.Tensor):
+    """A Tensor subclass the snapshot does not know (as FSDP1's ShardedTensor)."""
+
+
 class _GatedWriter(state_writer._Writer):
     """The real writer, held at the gate until the test opens it (the disk 'slow')."""
 
@@ -180,11 +184,15 @@ def test_a_failed_write_leaves_no_receipt(process_group, tmp_path):
     assert not list(state.rglob("*" + state_writer.WRITING)) and not list(state.rglob("*" + state_writer.PARTIAL))
 
 
-def test_file_objects_are_written_at_once(tmp_path):
+def test_file_objects_and_unknown_tensor_types_are_written_at_once(tmp_path):
     proxy = state_writer._TorchDeferredSave(_GatedWriter())  # the gate is never opened
     with open(tmp_path / "x.pt", "wb") as f:
         proxy.save({"a": torch.ones(2)}, f)
     assert torch.equal(torch.load(tmp_path / "x.pt")["a"], torch.ones(2))
+
+    proxy.save({"state": [torch.zeros(1), torch.ones(3).as_subclass(Other)]}, tmp_path / "y.pt")
+    assert not (tmp_path / ("y.pt" + state_writer.WRITING)).exists()
+    assert torch.equal(torch.load(tmp_path / "y.pt", weights_only=False)["state"][1], torch.ones(3))
     assert proxy.float32 is torch.float32 and proxy.distributed is torch.distributed
 
 

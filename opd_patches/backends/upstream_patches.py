@@ -57,7 +57,8 @@ inputs of upstream's own tests, it returns what the original returns, or what "A
    ops/state_writer.py): `FSDPCheckpointManager.save_checkpoint` calls `torch.save(obj, path)` through its
    module's global `torch`; for the duration of that one method the global names a module proxy whose
    `save` snapshots `obj` to host memory and queues it for a writer thread (every other attribute is
-   torch's). Accepts: everything the original does; file objects (not paths) are written at once.
+   torch's). Accepts: everything the original does; file objects (not paths) and tensor types other
+   than Tensor/DTensor (FSDP1's ShardedTensor) are written at once, as the original would.
 """
 
 import functools

@@ -126,9 +126,22 @@ class _TorchDeferredSave(types.ModuleType):
         return getattr(torch, name)
 
     def save(self, obj, f, *args, **kwargs):
-        if not isinstance(f, (str, os.PathLike)):  # file objects: the caller owns them, so write now
+        # file objects (the caller owns them) and tensor types the snapshot does not know (FSDP1's
+        # ShardedTensor: strategy=fsdp) are written now, as upstream would
+        if not isinstance(f, (str, os.PathLike)) or not _plain(obj):
             return torch.save(obj, f, *args, **kwargs)
         self._writer.submit(obj, f, args, kwargs)
+
+
+def _plain(obj) -> bool:
+    """Whether every tensor in `obj` is a torch.Tensor or a DTensor (what `snapshot` copies faithfully)."""
+    if isinstance(obj, torch.Tensor):
+        return type(obj) is torch.Tensor or type(obj).__name__ == "DTensor"
+    if isinstance(obj, dict):
+        return all(_plain(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return all(_plain(v) for v in obj)
+    return True
 
 
 @contextlib.contextmanager
