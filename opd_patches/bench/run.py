@@ -2,10 +2,12 @@
 
     python -m opd_patches.bench --phase kernels|teacher|step|layout|save [--size full|cpu] [--out bench.json]
         [--variants k1_pg lean_topk_tail ...] [--no-model]          (kernels)
+        [--seq-len N] [--micro-seqs M]          (any phase that uses the size's sequences)
         [--recipe topk [k1 ...]] [--gpus 0 1] [--rollout vllm|hf] [--steps 2] [--override K=V ...]   (step)
 """
 
 import argparse
+import dataclasses
 import importlib
 import sys
 from pathlib import Path
@@ -38,6 +40,9 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path, default=Path("bench.json"))
     parser.add_argument("--variants", nargs="+", help="kernels phase: a subset of the loss paths")
     parser.add_argument("--no-model", action="store_true", help="kernels phase: standalone loss rows only")
+    parser.add_argument("--seq-len", type=int, help="override the size's tokens per sequence (e.g. a step run's "
+                        "mean response length, for the floor at those lengths)")
+    parser.add_argument("--micro-seqs", type=int, help="override the size's sequences per update micro-batch")
     step = parser.add_argument_group("step phase (full training steps through run.sh)")
     step.add_argument("--recipe", nargs="+", default=["topk"], help="one or more recipes")
     step.add_argument("--gpus", nargs="+", help="one GPU index per recipe: run the recipes at the same time")
@@ -52,6 +57,9 @@ def main(argv=None) -> int:
 
     size_name = args.size or ("full" if torch.cuda.is_available() else "cpu")
     size = SIZES[size_name]
+    if args.seq_len or args.micro_seqs:
+        size = dataclasses.replace(size, seq_len=args.seq_len or size.seq_len,
+                                   micro_seqs=args.micro_seqs or size.micro_seqs)
     if size.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit(f"[bench] size {size_name} needs a CUDA GPU; use --size cpu (SIZE=cpu) here.")
     fn = phase_fn(args.phase)
