@@ -56,6 +56,37 @@ def test_torch_refuses_the_duplicate_and_accepts_it_patched(tmp_path):
     assert patched.returncode == 0 and patched.stdout.split() == ["ok", "ok"], patched.stderr
 
 
+@pytest.mark.fresh_process
+def test_a_taken_master_port_is_retried_for_one_rank_only():
+    """VERL picks MASTER_PORT seconds before torch listens on it; another process can take it meanwhile
+    (a CI run failed on EADDRINUSE). Single rank: retried on a fresh port; several ranks: torch's error."""
+    code = textwrap.dedent(
+        """
+        import os, socket, sys, torch.distributed as dist
+        held = socket.socket(); held.bind(("127.0.0.1", 0)); held.listen()
+        port = str(held.getsockname()[1])
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK="0", WORLD_SIZE=sys.argv[2])
+        if sys.argv[1] == "patched":
+            from opd_patches.backends import upstream_patches; upstream_patches.apply()
+        try:
+            dist.init_process_group(backend="gloo", world_size=int(sys.argv[2]), rank=0)
+        except dist.DistNetworkError as exc:
+            print("EADDRINUSE" if "EADDRINUSE" in str(exc) else str(exc)); sys.exit(3)
+        dist.all_reduce(__import__("torch").ones(1))
+        print("ok", os.environ["MASTER_PORT"] != port)
+        """
+    )
+
+    def run(mode, world):
+        return subprocess.run([sys.executable, "-c", code, mode, world], capture_output=True, text=True, timeout=300)
+
+    plain, patched, two = run("plain", "1"), run("patched", "1"), run("patched", "2")
+    assert plain.returncode == 3 and plain.stdout.split() == ["EADDRINUSE"], plain.stderr[-2000:]
+    assert patched.returncode == 0 and patched.stdout.split()[-2:] == ["ok", "True"], patched.stderr[-2000:]
+    assert "MASTER_PORT" in patched.stdout and "retrying on" in patched.stdout
+    assert two.returncode == 3 and two.stdout.split() == ["EADDRINUSE"], two.stderr[-2000:]
+
+
 def _teacher(name):
     return DistillationTeacherModelConfig(key="t", model_path="/m", inference=RolloutConfig(name=name))
 

@@ -10,6 +10,10 @@ inputs of upstream's own tests, it returns what the original returns, or what "A
    names the CPU twice and torch refuses it. We drop repeated `device:backend` entries.
    Accepts: every backend torch accepts reaches it as the same object (only strings that torch
    refuses as "Duplicate device type" change); positional, keyword and absent `backend` pass through.
+   The same wrapper retries a single-rank env:// rendezvous whose MASTER_PORT was taken (EADDRINUSE):
+   VERL's rank-0 worker picks a free port (bind to 0, close) seconds before torch listens on it, and
+   another process's connection can take it meanwhile (seen once with two CPU runs side by side). With
+   one rank nobody else dials that port, so a fresh one is as good; with several ranks it raises as before.
 2. Top-k teachers served by the `hf` backend: `DistillationTeacherModelConfig.
    _validate_topk_logprobs` (verl/workers/config/distillation.py) accepts only vllm/sglang
    and raises NotImplementedError otherwise. The HF backend returns any number of
@@ -62,6 +66,8 @@ inputs of upstream's own tests, it returns what the original returns, or what "A
 """
 
 import functools
+import os
+import socket
 
 import torch
 import torch.distributed
@@ -83,6 +89,26 @@ def dedupe_backend(backend):
     return ",".join(unique)
 
 
+PORT_RETRIES = 3
+
+
+def _single_rank_env(args, kwargs) -> bool:
+    """A one-rank group rendezvousing through MASTER_ADDR/MASTER_PORT (init_method None or env://, no store)."""
+    init_method = kwargs.get("init_method", args[1] if len(args) > 1 else None)
+    if kwargs.get("store") is not None or init_method not in (None, "env://"):
+        return False
+    world_size = kwargs.get("world_size", args[3] if len(args) > 3 else -1)
+    if world_size in (-1, None):
+        world_size = os.environ.get("WORLD_SIZE")
+    return str(world_size) == "1"
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("", 0))
+        return sock.getsockname()[1]
+
+
 def _patch_init_process_group():
     original = torch.distributed.init_process_group
     if getattr(original, _MARK, False):
@@ -94,7 +120,15 @@ def _patch_init_process_group():
             kwargs["backend"] = dedupe_backend(kwargs["backend"])
         elif args:
             args = (dedupe_backend(args[0]),) + args[1:]
-        return original(*args, **kwargs)
+        for attempt in range(PORT_RETRIES + 1):
+            try:
+                return original(*args, **kwargs)
+            except torch.distributed.DistNetworkError as exc:
+                if attempt == PORT_RETRIES or "EADDRINUSE" not in str(exc) or not _single_rank_env(args, kwargs):
+                    raise
+                taken, os.environ["MASTER_PORT"] = os.environ.get("MASTER_PORT"), str(_free_port())
+                print(f"[opd] MASTER_PORT {taken} was taken before torch listened on it; single rank: "
+                      f"retrying on {os.environ['MASTER_PORT']}", flush=True)
 
     setattr(init_process_group, _MARK, True)
     torch.distributed.init_process_group = init_process_group
