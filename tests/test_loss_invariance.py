@@ -39,8 +39,8 @@ from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from dist_group import single_rank_gloo  # noqa: E402
 
 from opd_patches.losses import tail_kl_per_token, tail_term_per_token, truncated_kl_per_token  # noqa: E402
 
@@ -82,13 +82,8 @@ def process_group(tmp_path_factory, platform):
     # (OPD_TEST_THREADS, tests/conftest.py, overrides it; the tolerances hold for any count).
     threads = torch.get_num_threads()
     torch.set_num_threads(int(os.environ.get("OPD_TEST_THREADS") or 1))
-    created = not dist.is_initialized()
-    if created:
-        store = tmp_path_factory.mktemp("pg") / "store"
-        dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-    yield
-    if created:
-        dist.destroy_process_group()
+    with single_rank_gloo(tmp_path_factory):
+        yield
     torch.set_num_threads(threads)
 
 

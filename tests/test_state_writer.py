@@ -8,7 +8,7 @@ import threading
 
 import pytest
 import torch
-import torch.distributed as dist
+from dist_group import single_rank_gloo
 
 from opd_patches.ops import finish, receipts, state_writer
 
@@ -17,13 +17,8 @@ V = 64
 
 @pytest.fixture(scope="module")
 def process_group(tmp_path_factory):
-    created = not dist.is_initialized()
-    if created:
-        store = tmp_path_factory.mktemp("pg") / "store"
-        dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-    yield
-    if created:
-        dist.destroy_process_group()
+    with single_rank_gloo(tmp_path_factory):
+        yield
 
 
 def _trained(seed: int):
