@@ -162,8 +162,9 @@ class OpsTrainerMixin:
             result.unlink(missing_ok=True)
             self._ops_finishing = dict(proc=finish.launch(state, step, result, **args), result=result, state=state,
                                        started=time.monotonic(), started_at=time.time(), waited=time.monotonic() - start)
-            print(f"[opd] saved step {step}: the trainer waited {self._ops_finishing['waited']:.1f} s (state write, and "
-                  "any earlier finish); export validation, hashing and receipt continue in the background", flush=True)
+            print(f"[opd] saved step {step}: the trainer waited {self._ops_finishing['waited']:.1f} s (upstream's save: "
+                  "state, or its host snapshot with opd.background_state_write, and HF export; any earlier finish); "
+                  "export validation, hashing and receipt continue in the background", flush=True)
             return
         out = finish.finish(state, step, **args)
         self._ops_report(out, waited=time.monotonic() - start, background=False)
