@@ -206,7 +206,9 @@ def configure_ray(config: DictConfig, run_dir: Path) -> None:
     if not isinstance(state_write, bool):
         raise ConfigError(f"opd.background_state_write={state_write!r}: use true or false.")
     if state_write:  # upstream_patches 8: state files written by a thread of each worker
-        env["OPD_ASYNC_STATE_WRITE"] = "1"
+        from opd_patches.ops import state_writer
+
+        env[state_writer.ENV] = "1"
     lean = config.opd.get("lean_topk")  # null: the default in opd_patches/losses/lean_topk.py
     if lean is not None:
         if not isinstance(lean, bool):

@@ -199,3 +199,14 @@ def test_snapshot_copies_tensors_and_leaves():
     groups[0]["lr"] = 9.0
     assert torch.equal(snap["w"], torch.arange(4.0)) and snap["param_groups"][0]["lr"] == 0.1
     assert snap["param_groups"][0]["betas"] == (0.9, 0.99) and snap["step"] == 3 and snap["none"] is None
+
+
+def test_a_failed_snapshot_leaves_no_marker(tmp_path, monkeypatch):
+    """The error reaches upstream's save; no `.writing` marker is left for the finish to wait on."""
+    def broken(obj):
+        raise RuntimeError("pinned allocation failed")
+
+    monkeypatch.setattr(state_writer, "snapshot", broken)
+    with pytest.raises(RuntimeError, match="pinned allocation failed"):
+        _GatedWriter().submit({"a": torch.ones(1)}, str(tmp_path / "m.pt"), (), {})
+    assert not list(tmp_path.iterdir())

@@ -67,7 +67,6 @@ inputs of upstream's own tests, it returns what the original returns, or what "A
 
 import functools
 import os
-import socket
 
 import torch
 import torch.distributed
@@ -103,12 +102,6 @@ def _single_rank_env(args, kwargs) -> bool:
     return str(world_size) == "1"
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("", 0))
-        return sock.getsockname()[1]
-
-
 def _patch_init_process_group():
     original = torch.distributed.init_process_group
     if getattr(original, _MARK, False):
@@ -126,7 +119,9 @@ def _patch_init_process_group():
             except torch.distributed.DistNetworkError as exc:
                 if attempt == PORT_RETRIES or "EADDRINUSE" not in str(exc) or not _single_rank_env(args, kwargs):
                     raise
-                taken, os.environ["MASTER_PORT"] = os.environ.get("MASTER_PORT"), str(_free_port())
+                from verl.single_controller.base.worker import WorkerHelper  # how VERL picked the taken one
+
+                taken, os.environ["MASTER_PORT"] = os.environ.get("MASTER_PORT"), str(WorkerHelper._get_free_port())
                 print(f"[opd] MASTER_PORT {taken} was taken before torch listened on it; single rank: "
                       f"retrying on {os.environ['MASTER_PORT']}", flush=True)
 

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from opd_patches.bench.measure import GIB
+from opd_patches.bench.measure import GIB, row
 from opd_patches.bench.sizes import qwen2_config
 from opd_patches.ops import state_writer
 
@@ -142,6 +142,6 @@ def run_phase(size, args) -> dict:
 
 
 def _row(name, wait_s, upstream_s, gb, **extra) -> dict:
-    return {"name": name, "tokens": 0, "time_s": wait_s, "tok_per_s": 0.0, "peak_gib": None,
-            "ref_time_s": upstream_s, "ref_peak_gib": None, "ratio": wait_s / upstream_s if upstream_s else None,
-            "peak_ratio": None, "state_gb": gb, **extra}
+    """A bench row (measure.row): the wait against upstream's write; no tokens, no device peak."""
+    return row(name, {"time_s": wait_s, "peak_gib": None}, {"time_s": upstream_s, "peak_gib": None}, 0,
+               state_gb=gb, **extra)

@@ -91,7 +91,8 @@ def finish(state: Path, step: int, validate: bool = True, expected_params: int |
     (state / receipts.PENDING).unlink(missing_ok=True)
     removed = checkpoints.prune(state.parent, keep) if keep else []
     return {"step": int(step), "validation": validation, "pruned": removed, "validate_s": t1 - t0,
-            "write_wait_s": t_written - t1, "hash_s": t2 - t_written, "seconds": time.monotonic() - t0, "ended_at": time.time()}
+            "write_wait_s": t_written - t1, "hash_s": t2 - t_written, "seconds": time.monotonic() - t0,
+            "ended_at": time.time()}
 
 
 def launch(state: Path, step: int, result: Path, **kwargs) -> subprocess.Popen:

@@ -81,9 +81,13 @@ class _Writer:
         path = os.fspath(path)
         Path(path + FAILED).unlink(missing_ok=True)
         Path(path + WRITING).write_text(str(os.getpid()))  # before returning: the finish waits for it
-        staged = snapshot(obj)
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()  # the copies are done before training touches the originals again
+        try:
+            staged = snapshot(obj)
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()  # the copies are done before training touches the originals again
+        except BaseException:
+            Path(path + WRITING).unlink(missing_ok=True)  # the error reaches upstream's save as its own would
+            raise
         with self._lock:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._loop, name="opd-state-writer", daemon=True)
@@ -136,7 +140,9 @@ class _TorchDeferredSave(types.ModuleType):
 def _plain(obj) -> bool:
     """Whether every tensor in `obj` is a torch.Tensor or a DTensor (what `snapshot` copies faithfully)."""
     if isinstance(obj, torch.Tensor):
-        return type(obj) is torch.Tensor or type(obj).__name__ == "DTensor"
+        from torch.distributed.tensor import DTensor
+
+        return type(obj) in (torch.Tensor, DTensor)
     if isinstance(obj, dict):
         return all(_plain(v) for v in obj.values())
     if isinstance(obj, (list, tuple)):
