@@ -60,6 +60,7 @@ class Result:
     log: str = ""
     value: Any = None
     wall_s: float = 0.0
+    started_s: float = 0.0  # seconds after the pool started
     error: BaseException | None = None
 
     @property
@@ -85,6 +86,7 @@ class Pool:
         self.ready: Callable[[], Any] | None = None  # run once before the first job (the embedded models)
         self.thread: threading.Thread | None = None
         self.closed = False
+        self.t0 = time.monotonic()
 
     def declare(self, name: str, make_spec: Callable[[Path], Spec], weight: int, cost: float) -> None:
         if name in self.specs:
@@ -118,6 +120,14 @@ class Pool:
             while name not in self.results:
                 self.lock.wait(POLL_S)
             return self.results[name]
+
+    def report(self) -> list[str]:
+        """One line per finished run: when it started and how long it took (the pool is the suite's
+        critical path on 2 cores, so this is where `make test`'s minutes go)."""
+        with self.lock:
+            done = sorted(self.results.items(), key=lambda kv: kv[1].started_s)
+        return [f"{r.started_s:7.0f} s +{r.wall_s:6.0f} s  {name}" + ("" if r.returncode == 0 else f"  (exit {r.returncode})")
+                for name, r in done]
 
     def close(self) -> None:
         """End of session: kill what still runs (a run nobody waited for, e.g. after -x)."""
@@ -161,7 +171,7 @@ class Pool:
         out = self.base / name
         out.mkdir(parents=True, exist_ok=True)
         start = time.monotonic()
-        result = Result(None, out)
+        result = Result(None, out, started_s=start - self.t0)
         try:
             spec = self.specs[name](out)
             if spec.prepare is not None:

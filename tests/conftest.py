@@ -98,6 +98,14 @@ def pytest_sessionfinish(session, exitstatus):
     POOL.close()
 
 
+def pytest_terminal_summary(terminalreporter):
+    lines = POOL.report()
+    if lines:
+        terminalreporter.section("shared end-to-end runs (start, wall)")
+        for line in lines:
+            terminalreporter.write_line(line)
+
+
 def sharpened(src, out, seed):
     """A copy of model folder `src` in `out` with its matrices re-drawn at std 0.3 (fixed seed).
 
