@@ -11,6 +11,7 @@ upstream's `TaskRunnerV1` (with the colocated teacher: the registered trainer mo
 `colocated_teacher`, a subclass of upstream's sync trainer).
 """
 
+import json
 import os
 import sys
 import time
@@ -174,6 +175,37 @@ def apply_attention(config: DictConfig) -> None:
         config.actor_rollout_ref.model.override_config.attn_implementation = attn
 
 
+def apply_export(config: DictConfig) -> None:
+    """`opd.background_export`: the save's finish builds the HF export from the state files
+    (opd_patches/ops/state_export.py), so upstream's save leaves `hf_model` out of `save_contents`.
+    Resolved to false (upstream exports) where there is no export to move or it cannot be built."""
+    choice = config.opd.get("background_export", True)
+    if not isinstance(choice, bool):
+        raise ConfigError(f"opd.background_export={choice!r}: use true or false.")
+    checkpoint = config.actor_rollout_ref.actor.checkpoint
+    contents = list(checkpoint.get("save_contents") or [])
+    why = None
+    if choice and "hf_model" in contents:
+        from opd_patches.ops import state_export
+
+        why = state_export.supported(str(config.actor_rollout_ref.actor.strategy),
+                                     _architectures(str(config.actor_rollout_ref.model.path)))
+        if why:
+            print(f"[opd] opd.background_export: upstream writes the HF export during the save ({why})", flush=True)
+    with open_dict(config):
+        config.opd.background_export = bool(choice and "hf_model" in contents and why is None)
+        if config.opd.background_export:
+            checkpoint.save_contents = [c for c in contents if c != "hf_model"]
+
+
+def _architectures(model_path: str):
+    """The local model folder's `architectures`; None where unknown (a hub id)."""
+    try:
+        return json.loads((Path(os.path.expanduser(model_path)) / "config.json").read_text()).get("architectures")
+    except (OSError, ValueError):
+        return None
+
+
 def apply_old_log_prob(config: DictConfig) -> None:
     """`opd.skip_old_log_prob` (opd_patches/teacher/old_log_prob.py): says once which pass runs."""
     from opd_patches.teacher import old_log_prob
@@ -298,6 +330,7 @@ def prepare(config: DictConfig) -> Path:
     apply_attention(config)
     apply_old_log_prob(config)
     check_paths(config)
+    apply_export(config)
     run_dir = Path(os.path.expanduser(config.trainer.default_local_dir)).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     with open_dict(config):

@@ -51,6 +51,24 @@ def test_kernels_phase_at_cpu_size_writes_valid_json(tmp_path):
 
 
 @pytest.mark.fresh_process
+def test_save_phase_at_cpu_size_restores_and_builds_the_export(tmp_path):
+    """`make bench PHASE=save SIZE=cpu`: upstream's save against the background one (restored exactly by
+    upstream's load) and the HF export inside the save against the one the finish builds (same tensors)."""
+    out = tmp_path / "bench.json"
+    proc = subprocess.run([sys.executable, "-m", "opd_patches.bench", "--phase", "save", "--size", "cpu", "--out",
+                           str(out), "--workdir", str(tmp_path / "work")], cwd=REPO, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {r["name"]: r for r in json.loads(out.read_text())["phases"]["save"]["rows"]}
+    assert list(rows) == ["save/upstream", "save/background", "save/background_with_hf_export",
+                          "export/built_by_finish"]
+    assert rows["save/background"]["restored_exact"] is True
+    assert rows["export/built_by_finish"]["equal_to_upstream"] is True
+    assert rows["export/built_by_finish"]["export_gb"] > 0
+    assert not any((tmp_path / "work").glob("bench_save_*"))  # every state deleted after its row
+
+
+@pytest.mark.fresh_process
 def test_cpu_kernels_script_writes_json(tmp_path):
     out = tmp_path / "cpu.json"
     proc = subprocess.run(

@@ -43,7 +43,8 @@ def _scaleout_spec(base):
         dump.mkdir(parents=True)
 
     return Spec(argv=[str(REPO / "run.sh"), "recipe=topk", "+overlay=smoke",
-                      f"distillation.teacher_models.teacher_model.model_path={base / 'sharp_teacher'}"],  # last: wins over EMBEDDED's
+                      f"distillation.teacher_models.teacher_model.model_path={base / 'sharp_teacher'}",  # last: wins over EMBEDDED's
+                      "opd.background_export=true"],  # 2 ranks' shards merged into the export (off in cpu.yaml)
                 env={"EMBEDDED": "1", "N_GPUS": str(N_RANKS), "OUTPUT_DIR": str(run_dir), "PYTHON": sys.executable,
                      "OPD_TEACHER_DUMP_DIR": str(dump)},
                 timeout=700, prepare=prepare)
@@ -94,6 +95,23 @@ def test_two_ranks_train_with_the_teacher_on_each(scaleout):
                          r"offload=True\) on cpu", log), rank
     pids = {m.group(1) for m in re.finditer(r"pid=(\d+)\)\S*\s+\[colocated teacher\] rank \d: loaded", log)}
     assert len(pids) == N_RANKS  # two worker processes, one teacher each
+
+
+@pytest.mark.slow
+def test_the_finish_builds_each_export_from_both_ranks_shards(scaleout):
+    """opd.background_export: upstream saved no weights; the finish merged the 2 ranks' shards, validated."""
+    proc, run_dir, log, _ = scaleout
+    assert proc.returncode == 0, log[-4000:]
+    assert config_of(run_dir)["actor_rollout_ref"]["actor"]["checkpoint"]["save_contents"] == ["model", "optimizer", "extra"]
+    assert "Saved hf_model" not in log
+    for step in range(1, STEPS + 1):
+        state = run_dir / f"global_step_{step}"
+        assert sorted(p.name for p in (state / "actor").glob("model_world_size_2_rank_*.pt")) == [
+            "model_world_size_2_rank_0.pt", "model_world_size_2_rank_1.pt"]
+        receipt = json.loads((state / "receipt.json").read_text())
+        assert receipt["validation"]["ok"] is True, receipt["validation"]
+        assert any(f.startswith("actor/huggingface/") and f.endswith(".safetensors") for f in receipt["files"])
+    assert re.search(r"saved step 1: receipt written, export validation ok, .* export \d+\.\d s", log)
 
 
 @pytest.mark.slow

@@ -10,6 +10,10 @@ step (two moments: the recipes' state), saved with upstream's `FSDPCheckpointMan
   workers run): `time_s` = the call (training's wait), `written_s` = from the call to the last file written;
 - `save/background_pinned`: the same with page-locked snapshots (state_writer.PINNED), twice: `first_s`
   pays the pinning, `time_s` is the second call (the caching host allocator reuses the blocks).
+- `save/background_with_hf_export`: the call with `hf_model` added to its contents (upstream's HF export
+  inside the save: the trainer's wait without opd.background_export); `export/built_by_finish`: the
+  export built from the written files by `state_export.write_export` (what the background finish runs
+  with opd.background_export), `equal_to_upstream`: its tensors hash equal to upstream's export.
 The ratio column is each row's wait against `save/upstream`. After `save/background` the model takes
 one more optimizer step and upstream's `load_checkpoint` restores the saved files: `restored_exact` says
 every weight and moment equals the state at the call (the snapshot is what was saved).
@@ -26,7 +30,7 @@ import torch.distributed as dist
 
 from opd_patches.bench.measure import GIB, row
 from opd_patches.bench.sizes import qwen2_config
-from opd_patches.ops import state_writer
+from opd_patches.ops import state_export, state_writer
 
 
 def _process_group(device: str, workdir: Path) -> None:
@@ -45,6 +49,7 @@ def _model(size, device):
     torch.manual_seed(0)
     with torch.device(device):
         model = Qwen2ForCausalLM(qwen2_config(size)).float()
+    model.config.architectures = ["Qwen2ForCausalLM"]  # as from_pretrained sets it: upstream's export reads it
     fully_shard(model, mesh=init_device_mesh(device, (1,)))
     optim = torch.optim.AdamW(model.parameters(), lr=1e-6)
     return model, optim
@@ -133,12 +138,50 @@ def run_phase(size, args) -> dict:
         state, wait, written = timed_save("pinned", deferred=True, pinned=True)
         shutil.rmtree(state)
         rows.append(_row("save/background_pinned", wait, upstream_s, gb, written_s=written, first_s=first))
+    # The HF export: inside upstream's save (hf_model in save_contents, what the trainer waited for
+    # before opd.background_export) against built from the written files by the finish (state_export.py).
+    manager = FSDPCheckpointManager(model, optim, checkpoint_config=_contents("model", "optimizer", "extra", "hf_model"))
+    state, with_export, _ = timed_save("with_export", deferred=True, pinned=device == "cuda")
+    reference = _export_digest(state / "huggingface")
+    export_gb = _bytes(state / "huggingface") / 1e9
+    shutil.rmtree(state)
+    manager = FSDPCheckpointManager(model, optim, checkpoint_config=_contents("model", "optimizer", "extra"))
+    state, _, _ = timed_save("finish_export", deferred=True, pinned=device == "cuda")
+    start = time.perf_counter()
+    state_export.write_export(state)
+    built_s = time.perf_counter() - start
+    equal = _export_digest(state / "huggingface") == reference
+    shutil.rmtree(state)
+    rows.append(_row("save/background_with_hf_export", with_export, upstream_s, gb, export_gb=export_gb))
+    rows.append(_row("export/built_by_finish", built_s, upstream_s, gb, export_gb=export_gb, equal_to_upstream=equal))
+    notes.append(f"save/background_with_hf_export: upstream's save with hf_model (the trainer's wait before "
+                 f"opd.background_export); export/built_by_finish: state_export.write_export from the written files "
+                 f"(the background finish's time, not waited for); same tensors as upstream's export: {equal}")
     notes.append(f"state of {gb:.1f} GB (model + optimizer + extra, fp32 under FSDP2, one rank) into {workdir}; "
                  f"device peak {torch.cuda.max_memory_allocated() / GIB:.1f} GiB" if device == "cuda" else
                  f"state of {gb:.3f} GB into {workdir}")
     notes.append("restored_exact: upstream's load_checkpoint of the background save gives back every weight and "
                  f"moment of the call: {exact}")
     return {"size": size.name, "rows": rows, "notes": notes, "pid": os.getpid()}
+
+
+def _contents(*names):
+    from omegaconf import OmegaConf
+
+    return OmegaConf.create({"save_contents": list(names), "load_contents": ["model", "optimizer", "extra"]})
+
+
+def _export_digest(hf: Path) -> dict:
+    """{file: {tensor: (dtype, shape, sha256)}} of an export's safetensors."""
+    import hashlib
+
+    from safetensors.torch import load_file
+
+    out = {}
+    for f in sorted(hf.glob("*.safetensors")):
+        out[f.name] = {k: (str(t.dtype), tuple(t.shape), hashlib.sha256(t.contiguous().view(torch.uint8).numpy()).hexdigest())
+                       for k, t in load_file(f).items()}
+    return out
 
 
 def _row(name, wait_s, upstream_s, gb, **extra) -> dict:

@@ -1,12 +1,13 @@
-"""The part of a save after upstream has written the state: validate the HF export, hash, receipt, prune.
+"""The part of a save after upstream has written the state: HF export, its validation, hash, receipt, prune.
 
-    python -m opd_patches.ops.finish finish --state RUN/global_step_N --step N [--validate]
+    python -m opd_patches.ops.finish finish --state RUN/global_step_N --step N [--validate] [--build-export]
         [--expected-params P] [--timeout-s T] [--keep K] [--result OUT.json] [--parent-pid PID]
 
 With `opd.background_save: true` (recipes/base.yaml) the trainer starts this as a subprocess right
 after upstream's save and trains on; otherwise it calls `finish()` in-process. Either way the order
-is the same: export validation (`opd_patches.validate` in a CPU-only child process), the end of the
-state files' background writes (state_writer.py), the sha256 of every file, the receipt written last
+is the same: the end of the state files' background writes (state_writer.py), the HF export's weights
+built from those files (`opd.background_export`, state_export.py), export validation
+(`opd_patches.validate` in a CPU-only child process), the sha256 of every file, the receipt written last
 (receipts.py: only now is the state complete), then pruning (checkpoints.py; only here, over
 completed states, one finish at a time). A state file whose write failed leaves the state without a
 receipt (the result names it under "error").
@@ -68,18 +69,28 @@ def validate_export(export: Path, expected_params: int | None, timeout_s: float)
 
 
 def finish(state: Path, step: int, validate: bool = True, expected_params: int | None = None,
-           timeout_s: float = 1800, keep: int | None = None) -> dict:
-    """Validate, hash, write the receipt, prune; returns what happened with the seconds each part took."""
+           timeout_s: float = 1800, keep: int | None = None, build_export: bool = False) -> dict:
+    """(Build the HF export,) validate, hash, write the receipt, prune; returns what happened with the
+    seconds each part took. build_export: the weights come from the state files (state_export.py)."""
     state = Path(state)
     t0 = time.monotonic()
-    export.make_portable(state / receipts.HF_EXPORT)  # before validation and hashing: what users load
-    validation = validate_export(state / receipts.HF_EXPORT, expected_params, timeout_s) if validate else None
-    t1 = time.monotonic()
     try:
         state_writer.wait_for_writes(state, timeout_s)  # background state writes (state_writer.py) end first
     except (OSError, TimeoutError) as exc:
         return {"step": int(step), "error": str(exc), "ended_at": time.time()}
     t_written = time.monotonic()
+    if build_export:
+        from opd_patches.ops import state_export  # imports torch + VERL: only here
+
+        try:
+            state_export.write_export(state / "actor")
+        except Exception as exc:  # the state stays without a receipt: incomplete, never resumed from
+            return {"step": int(step), "error": f"building the HF export of {state} failed: {exc!r}",
+                    "ended_at": time.time()}
+    t_exported = time.monotonic()
+    export.make_portable(state / receipts.HF_EXPORT)  # before validation and hashing: what users load
+    validation = validate_export(state / receipts.HF_EXPORT, expected_params, timeout_s) if validate else None
+    t1 = time.monotonic()
     files = receipts.inventory(state)
     t2 = time.monotonic()
     try:
@@ -90,9 +101,9 @@ def finish(state: Path, step: int, validate: bool = True, expected_params: int |
                       "to resume.") from exc
     (state / receipts.PENDING).unlink(missing_ok=True)
     removed = checkpoints.prune(state.parent, keep) if keep else []
-    return {"step": int(step), "validation": validation, "pruned": removed, "validate_s": t1 - t0,
-            "write_wait_s": t_written - t1, "hash_s": t2 - t_written, "seconds": time.monotonic() - t0,
-            "ended_at": time.time()}
+    return {"step": int(step), "validation": validation, "pruned": removed, "write_wait_s": t_written - t0,
+            "export_s": t_exported - t_written, "validate_s": t1 - t_exported, "hash_s": t2 - t1,
+            "seconds": time.monotonic() - t0, "ended_at": time.time()}
 
 
 def launch(state: Path, step: int, result: Path, **kwargs) -> subprocess.Popen:
@@ -109,6 +120,8 @@ def launch(state: Path, step: int, result: Path, **kwargs) -> subprocess.Popen:
         cmd += ["--expected-params", str(kwargs["expected_params"])]
     if kwargs.get("keep"):
         cmd += ["--keep", str(kwargs["keep"])]
+    if kwargs.get("build_export"):
+        cmd.append("--build-export")
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "TOKENIZERS_PARALLELISM": "false"}
     return subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL)
 
@@ -144,6 +157,7 @@ def main(argv=None) -> int:
     f.add_argument("--expected-params", type=int)
     f.add_argument("--timeout-s", type=float, default=1800)
     f.add_argument("--keep", type=int)
+    f.add_argument("--build-export", action="store_true", help="write the HF export's weights from the state files")
     f.add_argument("--result", type=Path, help="write the result here (JSON)")
     f.add_argument("--parent-pid", type=int, help="die with this process (the trainer)")
     args = parser.parse_args(argv)
@@ -151,7 +165,8 @@ def main(argv=None) -> int:
     if not args.state.is_dir():
         print(f"--state {args.state}: no such state folder", file=sys.stderr)
         return 2
-    out = finish(args.state, args.step, args.validate, args.expected_params, args.timeout_s, args.keep)
+    out = finish(args.state, args.step, args.validate, args.expected_params, args.timeout_s, args.keep,
+                 build_export=args.build_export)
     if args.result:
         receipts.atomic_write_json(args.result, out)
     print(json.dumps(out))

@@ -5,7 +5,8 @@ upstream's fit loop already calls:
 - wall clock (`opd.wall_clock_s`, `opd.reserve_s`, `opd.wall_clock_margin`; budget.py): after each
   step, stop at this step boundary when the next step and its save no longer fit; the step just
   done is saved (state, HF export, validation, receipt) and the loop ends; exit 0;
-- receipts (receipts.py, finish.py): after upstream's save, the HF export is validated in a CPU
+- receipts (receipts.py, finish.py): after upstream's save (with `opd.background_export`, the finish
+  first writes the HF export's weights from the state files: state_export.py), the HF export is validated in a CPU
   subprocess (`opd.validate_after_save`), every file hashed, then `global_step_N/receipt.json` is
   written last, atomically. With `opd.background_save` that finish runs in a subprocess while
   training goes on (at most one at a time); the last save of the process (final step, wall clock)
@@ -84,6 +85,8 @@ class OpsTrainerMixin:
         self.ops_validate = bool(opd.get("validate_after_save", True))
         self.ops_validate_timeout = float(opd.get("validate_timeout_s") or 1800)
         self.ops_background = bool(opd.get("background_save", True))
+        # opd_patches.main took hf_model out of upstream's save_contents: the finish writes the export
+        self.ops_build_export = bool(opd.get("background_export", False))
         self._ops_finishing = None  # the background finish in flight: dict(proc, result, state, started, waited)
         self._ops_save_metrics = {}
         self._ops_tmp = None
@@ -152,7 +155,7 @@ class OpsTrainerMixin:
                 self.config.trainer.max_actor_ckpt_to_keep = keep
         self._ops_saved_step = step
         args = dict(validate=self.ops_validate, expected_params=self._ops_expected() if self.ops_validate else None,
-                    timeout_s=self.ops_validate_timeout, keep=keep)
+                    timeout_s=self.ops_validate_timeout, keep=keep, build_export=self.ops_build_export)
         # The last save of this process (final step or wall clock) is waited for: its receipt must exist at exit.
         last = self._ops_stop_reason is not None or step >= self.total_training_steps
         if self.ops_background and not last:
@@ -162,9 +165,11 @@ class OpsTrainerMixin:
             result.unlink(missing_ok=True)
             self._ops_finishing = dict(proc=finish.launch(state, step, result, **args), result=result, state=state,
                                        started=time.monotonic(), started_at=time.time(), waited=time.monotonic() - start)
+            export = ("" if self.ops_build_export else " and HF export")
             print(f"[opd] saved step {step}: the trainer waited {self._ops_finishing['waited']:.1f} s (upstream's save: "
-                  "state, or its host snapshot with opd.background_state_write, and HF export; any earlier finish); "
-                  "export validation, hashing and receipt continue in the background", flush=True)
+                  f"state, or its host snapshot with opd.background_state_write{export}; any earlier finish); "
+                  + ("HF export, " if self.ops_build_export else "")
+                  + "export validation, hashing and receipt continue in the background", flush=True)
             return
         out = finish.finish(state, step, **args)
         self._ops_report(out, waited=time.monotonic() - start, background=False)
@@ -193,8 +198,8 @@ class OpsTrainerMixin:
         ok = None if validation is None else validation["ok"]
         how = f"{waited:.1f} s waited + {background_s:.1f} s in the background" if background else f"{waited:.1f} s"
         print(f"[opd] saved step {step}: receipt written, export validation "
-              f"{ {True: 'ok', False: 'FAILED', None: 'skipped'}[ok] }, {how} (validation {out['validate_s']:.1f} s, "
-              f"then state write {out.get('write_wait_s', 0.0):.1f} s, hashing {out['hash_s']:.1f} s)"
+              f"{ {True: 'ok', False: 'FAILED', None: 'skipped'}[ok] }, {how} (state write {out['write_wait_s']:.1f} s, "
+              f"export {out['export_s']:.1f} s, validation {out['validate_s']:.1f} s, hashing {out['hash_s']:.1f} s)"
               + (f"; pruned steps {removed}" if removed else ""), flush=True)
         if ok is False:
             print(f"[opd] WARNING: the step-{step} export failed validation: {validation['error']}; "
