@@ -157,6 +157,18 @@ def validate_export(
     return result
 
 
+def check(export: Path, initial: Path | None = None, expected_params: int | None = None, dtype: str | None = None,
+          expected_from: str | None = None) -> dict:
+    """`validate_export` as one JSON-able answer: {"valid": True, ...facts} or {"valid": False, "reason", "checks"}."""
+    try:
+        expected = expected_parameters_for(expected_from) if expected_from else expected_params
+        return {"valid": True, **validate_export(export, initial, expected, dtype)}
+    except ExportInvalid as exc:
+        return {"valid": False, "reason": str(exc), "checks": exc.checks}
+    except Exception as exc:  # e.g. an unreadable --expected-from config: still one answer
+        return {"valid": False, "reason": f"{export}: {type(exc).__name__}: {exc}", "checks": {}}
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("export", type=Path, help="export, state (global_step_N) or run folder")
@@ -168,15 +180,7 @@ def main(argv=None) -> int:
     parser.add_argument("--json", type=Path, help="also write the result here")
     args = parser.parse_args(argv)
     export = resolve_export(args.export)
-    try:
-        expected = args.expected_params
-        if args.expected_from:
-            expected = expected_parameters_for(args.expected_from)
-        result = {"valid": True, **validate_export(export, args.initial, expected, args.dtype)}
-    except ExportInvalid as exc:
-        result = {"valid": False, "reason": str(exc), "checks": exc.checks}
-    except Exception as exc:  # e.g. an unreadable --expected-from config: still one JSON answer
-        result = {"valid": False, "reason": f"{export}: {type(exc).__name__}: {exc}", "checks": {}}
+    result = check(export, args.initial, args.expected_params, args.dtype, expected_from=args.expected_from)
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))
     print(("export valid: " if result["valid"] else "export INVALID: ") + json.dumps(result))

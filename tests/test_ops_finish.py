@@ -34,6 +34,27 @@ def test_failed_validation_is_recorded_and_never_displaces_the_last_validated_st
     assert listing(tmp_path) == [(1, True, True), (2, True, False)]
 
 
+@pytest.mark.fresh_process
+def test_a_large_export_is_validated_in_a_child_a_tiny_one_in_process(tmp_path, embedded, monkeypatch):
+    """Exports over IN_PROCESS_BYTES (every real model) go to the CPU-only child; the same answer either way,
+    good and bad (the tiny student with a planted wrong parameter count)."""
+    calls = []
+    real_run = subprocess.run
+    monkeypatch.setattr(finish.subprocess, "run", lambda *a, **k: calls.append(a[0]) or real_run(*a, **k))
+    export = embedded["student"]
+    answers = {}
+    for limit in (finish.IN_PROCESS_BYTES, 0):
+        monkeypatch.setattr(finish, "IN_PROCESS_BYTES", limit)
+        good = finish.validate_export(export, None, 600)
+        bad = finish.validate_export(export, good["parameters"] + 1, 600)
+        answers[limit] = (good, bad)
+    assert len(calls) == 2 and all("validate" in c for c in calls)  # only the limit-0 pair went to the child
+    (good_in, bad_in), (good_child, bad_child) = answers[finish.IN_PROCESS_BYTES], answers[0]
+    assert good_in == good_child and good_in["ok"] is True
+    assert bad_in["ok"] is bad_child["ok"] is False and "parameter count" in bad_child["error"]
+    assert bad_in["checks"] == bad_child["checks"]
+
+
 def test_background_finish_writes_the_receipt_last_then_prunes(tmp_path):
     make_state(tmp_path, 1)
     make_state(tmp_path, 2)

@@ -47,8 +47,18 @@ def die_with_parent(parent_pid: int | None) -> None:
         os._exit(1)
 
 
+# An export this small (the tiny test models) is validated in this process: the child's import of torch and
+# transformers (~5 s on 2 cores) would cost more than the check, and its memory is no concern.
+IN_PROCESS_BYTES = 64 * 2**20
+
+
 def validate_export(export: Path, expected_params: int | None, timeout_s: float) -> dict:
     """opd_patches.validate in a CPU-only child (never contends with training memory) -> receipt's `validation`."""
+    weights = sum(f.stat().st_size for pattern in ("*.safetensors", "*.bin") for f in Path(export).glob(pattern))
+    if 0 < weights <= IN_PROCESS_BYTES:
+        from opd_patches import validate
+
+        return _receipt_validation(validate.check(Path(export), expected_params=expected_params))
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "validation.json"
         cmd = [sys.executable, "-m", "opd_patches.ops.finish", "validate", "--parent-pid", str(os.getpid()),
@@ -64,6 +74,10 @@ def validate_export(export: Path, expected_params: int | None, timeout_s: float)
             tail = (proc.stderr or proc.stdout or "").strip().splitlines()[-3:]
             return {"ok": False, "checks": {}, "error": f"validator exit {proc.returncode}: {' | '.join(tail)}"}
         result = json.loads(out.read_text())
+    return _receipt_validation(result)
+
+
+def _receipt_validation(result: dict) -> dict:
     return {"ok": bool(result["valid"]), "checks": result.get("checks", {}), "error": result.get("reason"),
             "parameters": result.get("parameters"), "stored_dtype": result.get("stored_dtype")}
 
