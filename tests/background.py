@@ -86,7 +86,7 @@ class Pool:
         self.ready: Callable[[], Any] | None = None  # run once before the first job (the embedded models)
         self.thread: threading.Thread | None = None
         self.closed = False
-        self.t0 = time.monotonic()
+        self.t0 = time.monotonic()  # reset when the scheduler starts (start)
 
     def declare(self, name: str, make_spec: Callable[[Path], Spec], weight: int, cost: float) -> None:
         if name in self.specs:
@@ -103,6 +103,7 @@ class Pool:
             self.base, self.ready = base, ready
             self.queue += [n for n in names if n not in self.queue and n not in self.results]
             if self.thread is None:
+                self.t0 = time.monotonic()
                 self.thread = threading.Thread(target=self._schedule, name="shared-runs", daemon=True)
                 self.thread.start()
 

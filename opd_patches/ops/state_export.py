@@ -1,8 +1,8 @@
 """The HF export of a save built from its state files, off the trainer's path (`opd.background_export`).
 
 Upstream's `FSDPCheckpointManager.save_checkpoint` with `hf_model` in `checkpoint.save_contents` gathers
-the full weights to rank 0 and `save_pretrained`s them while training waits (~8 s of the trainer's save
-at 1.5B on one H200). With `opd.background_export: true` opd_patches.main takes `hf_model` out of the
+the full weights to rank 0 and `save_pretrained`s them while training waits (7.1 GB at 1.5B; on one
+H200 the trainer waited 25.5 s at a `topk` run's first save with it, 10.6 s with the export here, README). With `opd.background_export: true` opd_patches.main takes `hf_model` out of the
 actor's `save_contents` (upstream still writes `huggingface/` with the config, tokenizer and generation
 config) and the save's finish (finish.py, a CPU subprocess beside training) calls `write_export`:
 
@@ -32,15 +32,16 @@ class ExportError(RuntimeError):
 
 
 def supported(fsdp_strategy: str, architectures) -> str | None:
-    """None if `write_export` can build this run's export, else why not (the run keeps upstream's export)."""
+    """None if `write_export` can build this run's export, else why not (the run keeps upstream's export).
+    architectures None: not readable before the launch (a hub id); write_export checks the saved config."""
     if fsdp_strategy != "fsdp2":
         return f"actor strategy {fsdp_strategy} (the export is built from FSDP2 shards only)"
-    if architectures is None:  # not readable before the launch (a hub id): write_export checks the saved config
-        return None
-    arch = (list(architectures) or [""])[0]
-    if not arch.endswith("ForCausalLM"):
-        return f"architecture {arch or 'unknown'} (the export is built for causal LMs only)"
-    return None
+    return None if architectures is None else _not_causal_lm(architectures)
+
+
+def _not_causal_lm(architectures) -> str | None:
+    arch = (list(architectures or []) or [""])[0]
+    return None if arch.endswith("ForCausalLM") else f"architecture {arch or 'unknown'} (the export is built for causal LMs only)"
 
 
 @contextlib.contextmanager
@@ -104,7 +105,7 @@ def write_export(actor: Path) -> dict:
         raise ExportError(f"{hf}/config.json: missing (upstream writes it with every save)")
     state_dict = merged_state_dict(actor)
     config = AutoConfig.from_pretrained(hf)
-    reason = supported("fsdp2", getattr(config, "architectures", None))
+    reason = _not_causal_lm(getattr(config, "architectures", None))
     if reason:
         raise ExportError(f"{hf}: {reason}")
     with init_empty_weights():

@@ -165,11 +165,10 @@ class OpsTrainerMixin:
             result.unlink(missing_ok=True)
             self._ops_finishing = dict(proc=finish.launch(state, step, result, **args), result=result, state=state,
                                        started=time.monotonic(), started_at=time.time(), waited=time.monotonic() - start)
-            export = ("" if self.ops_build_export else " and HF export")
+            waited_for, later = ("", "HF export, ") if self.ops_build_export else (" and HF export", "")
             print(f"[opd] saved step {step}: the trainer waited {self._ops_finishing['waited']:.1f} s (upstream's save: "
-                  f"state, or its host snapshot with opd.background_state_write{export}; any earlier finish); "
-                  + ("HF export, " if self.ops_build_export else "")
-                  + "export validation, hashing and receipt continue in the background", flush=True)
+                  f"state, or its host snapshot with opd.background_state_write{waited_for}; any earlier finish); "
+                  f"{later}export validation, hashing and receipt continue in the background", flush=True)
             return
         out = finish.finish(state, step, **args)
         self._ops_report(out, waited=time.monotonic() - start, background=False)
