@@ -85,3 +85,12 @@ def test_guard_refuses_a_parent_that_is_already_gone(tmp_path):
     out = subprocess.run([sys.executable, "-m", "opd_patches.study.guard", "1", "--", "touch", str(tmp_path / "ran")],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 130 and not (tmp_path / "ran").exists(), out.stderr
+
+
+def test_a_session_leader_alone_sees_no_other_process():
+    """The guard sweeps its own session after every command until session_pids() is empty: the `ps` it
+    runs for that is in the session too and must not count (it did: every guarded training and
+    evaluation of a study waited the sweep's full 20 s)."""
+    code = "import os; from opd_patches.study.guard import session_pids; print(session_pids(os.getsid(0)))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, start_new_session=True)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", (out.stdout, out.stderr[-2000:])

@@ -28,12 +28,16 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
 def session_pids(sid: int) -> list[int]:
-    """Live processes of session `sid` other than this one (from ps; zombies excluded)."""
-    out = subprocess.run(["ps", "-eo", "pid=,sid=,stat="], capture_output=True, text=True).stdout
+    """Live processes of session `sid` other than this one and the `ps` asking (from ps; zombies excluded).
+
+    Called by the guard about its own session, `ps` is in it: counted, the sweep after every command
+    waited its whole SWEEP_S for a process that is gone when it is killed."""
+    ps = subprocess.Popen(["ps", "-eo", "pid=,sid=,stat="], stdout=subprocess.PIPE, text=True)
+    out, _ = ps.communicate()
     pids = []
     for line in out.splitlines():
         parts = line.split()
-        if len(parts) >= 3 and int(parts[1]) == sid and not parts[2].startswith("Z") and int(parts[0]) != os.getpid():
+        if len(parts) >= 3 and int(parts[1]) == sid and not parts[2].startswith("Z") and int(parts[0]) not in (os.getpid(), ps.pid):
             pids.append(int(parts[0]))
     return pids
 
