@@ -2,7 +2,7 @@
 
 A trainer run costs a minute or more of mostly waiting (Ray start-up, process spawns, saves), so the
 suite declares each run once, starts the ones its selected tests need right after collection (at most
-OPD_TEST_JOBS at a time, default 1, in the order the tests will ask for them) and moves the tests that
+OPD_TEST_JOBS job slots at a time, default 2, in the order the tests will ask for them) and moves the tests that
 read them to the end of the session: the fast tests and the other runs fill the waiting time.
 
 Attach a new end-to-end check to an existing run by requesting its fixture: tests/conftest.py has
@@ -79,9 +79,10 @@ class Pool:
         self.running: dict[str, tuple[int, threading.Thread]] = {}
         self.procs: dict[str, subprocess.Popen] = {}
         self.lock = threading.Condition()
-        # One at a time by default: each CPU training holds a Ray cluster of ~5 GB, tests/test_ops_e2e.py runs
-        # up to three of its own beside the pool, and with two pool runs Ray's OOM killer (95% of 24 GiB) ended runs.
-        self.jobs = max(1, int(os.environ.get("OPD_TEST_JOBS") or 1))
+        # Two trainings at a time by default: each CPU training holds a Ray cluster of ~5-6 GB (24 GiB here;
+        # five at once met Ray's OOM killer, at 95%), and one alone keeps only about one of the 2 cores busy.
+        # Every end-to-end training of the suite is a shared run, so this bounds them all.
+        self.jobs = max(1, int(os.environ.get("OPD_TEST_JOBS") or 2))
         self.base: Path | None = None
         self.ready: Callable[[], Any] | None = None  # run once before the first job (the embedded models)
         self.thread: threading.Thread | None = None
@@ -129,6 +130,15 @@ class Pool:
             done = sorted(self.results.items(), key=lambda kv: kv[1].started_s)
         return [f"{r.started_s:7.0f} s +{r.wall_s:6.0f} s  {name}" + ("" if r.returncode == 0 else f"  (exit {r.returncode})")
                 for name, r in done]
+
+    def release(self, slots: int) -> None:
+        """Called from a running shared run's fn (its thread): it now needs `slots` fewer job slots (a run
+        that trained two at once goes on with one), so another run may start beside it."""
+        name = threading.current_thread().name.removeprefix("run-")
+        with self.lock:
+            weight, thread = self.running[name]
+            self.running[name] = (max(0, weight - slots), thread)
+            self.lock.notify_all()
 
     def close(self) -> None:
         """End of session: kill what still runs (a run nobody waited for, e.g. after -x)."""
@@ -225,6 +235,11 @@ def _kill_group(proc: subprocess.Popen) -> None:
 
 
 POOL = Pool()
+
+
+def release_slots(slots: int) -> None:
+    """Called from a shared run's fn: see Pool.release."""
+    POOL.release(slots)
 
 
 def shared_run(name: str, make_spec: Callable[[Path], Spec], weight: int = 1, cost: float = 1.0):

@@ -2,7 +2,7 @@
 that several tests read (tests/background.py: started in the background right after collection).
 
 OPD_TEST_THREADS=N: torch intra-op threads of the test process (default: torch's own choice; the
-numerical tolerances hold for any count). OPD_TEST_JOBS=N: end-to-end runs at a time (default 1: memory).
+numerical tolerances hold for any count). OPD_TEST_JOBS=N: job slots of the end-to-end runs (tests/background.py; default 2: memory).
 """
 
 import os
@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from background import POOL, Spec, shared_run
+from flag_runs import wall_clock_run
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPES = ("k1", "topk", "topk_tail")
@@ -150,7 +151,8 @@ k1_fast_logprobs_off = shared_run("k1_fast_logprobs_off", smoke_cli(["k1"], "opd
                                                                     "opd.skip_old_log_prob=false"))
 k1_skip_off = shared_run("k1_skip_off", smoke_cli(["k1"], "opd.skip_old_log_prob=false"))
 topk_skip_off = shared_run("topk_skip_off", smoke_cli(["topk"], "opd.skip_old_log_prob=false"))
-topk_tail_lean_off = shared_run("topk_tail_lean_off", smoke_cli(["topk_tail"], "opd.lean_topk=false"))
+# topk_tail with the lean path off also carries the wall-clock stop of test_ops_e2e.py (flag_runs.py).
+topk_tail_lean_off = shared_run("topk_tail_lean_off", wall_clock_run("topk_tail", "opd.lean_topk=false"))
 
 
 @pytest.fixture(scope="session")

@@ -3,7 +3,30 @@ what the end-to-end tests of a patched path compare (test_lean_topk.py, test_sam
 switch's default (on) is the shared smoke run; the off run is a shared run of its own (tests/conftest.py)."""
 
 import json
+import sys
 from pathlib import Path
+
+from background import Spec
+
+REPO = Path(__file__).resolve().parents[1]
+# The wall-clock stop (test_ops_e2e.py) shares a flag-off run whose comparison reads step 1 only: 500
+# steps requested, WALL_CLOCK=WALL_S RESERVE=0 counted from the first step (test-only key; the launch
+# anchor is tests/test_ops_budget_guard.py's; counted from the launch, a loaded machine once spent 270 s
+# before step 1). A smoke step takes 10-30 s here and the first save is predicted as long as a step, so
+# the run stops after one to a few steps, once 1.5 x (step + save) no longer fits.
+WALL_S = 45
+
+
+def wall_clock_run(recipe: str, *overrides: str):
+    """A shared run's spec: `./run.sh recipe=RECIPE +overlay=smoke OVERRIDES` on the embedded models
+    into the run's own folder (log: run.log there), stopped by the wall clock above."""
+    def spec(out: Path) -> Spec:
+        argv = [str(REPO / "run.sh"), f"recipe={recipe}", "+overlay=smoke", *overrides,
+                "trainer.total_training_steps=500", "trainer.save_freq=100", "opd.debug.wall_clock_from_first_step=true"]
+        env = {"EMBEDDED": "1", "OUTPUT_DIR": str(out), "PYTHON": sys.executable, "WALL_CLOCK": str(WALL_S),
+               "RESERVE": "0"}
+        return Spec(argv=argv, env=env, timeout=900)
+    return spec
 
 
 def run_pair(off: Path, on: Path) -> dict:

@@ -1,5 +1,6 @@
-"""Training operations end to end: the real VERL trainer on the tiny embedded models (CPU), four runs
-in two waves of two concurrent runs (concurrency also stresses the determinism: the runs' timings differ).
+"""Training operations end to end: the real VERL trainer on the tiny embedded models (CPU): three runs,
+one shared run of the background pool (tests/background.py) taking both job slots; the first two run side
+by side (concurrency also stresses the determinism: the runs' timings differ).
 
 - reference: 5 steps, a save per step, 2 states kept, NaN injected into the step-5 loss (test-only key)
   -> receipts, validation, pruning, the non-finite guard (exit 3, nothing of step 5 saved);
@@ -12,9 +13,10 @@ in two waves of two concurrent runs (concurrency also stresses the determinism: 
   (`opd/samples_digest`) and losses equal the reference's: losses to 1e-6 relative (they are bit-equal:
   the trainer orders each step's samples canonically and `rollout.full_determinism` makes the hf
   rollout batch-invariant; see OpsTrainerMixin._balance_batch);
-- wall clock (beside the resumed run): WALL_CLOCK=WALL_S RESERVE=0 with 500 steps requested, the clock
-  counted from the first step (test-only key; the launch anchor is tests/test_ops_budget_guard.py's) ->
-  stops on its own at a step boundary with a validated complete export, exit 0.
+- wall clock: WALL_CLOCK=WALL_S RESERVE=0 with 500 steps requested, the clock counted from the first step
+  (test-only key; the launch anchor is tests/test_ops_budget_guard.py's) -> stops on its own at a step
+  boundary with a validated complete export, exit 0. That run is topk_tail with the lean path off
+  (tests/flag_runs.py), shared with test_lean_topk.py.
 """
 
 import json
@@ -27,6 +29,8 @@ from pathlib import Path
 
 import pytest
 
+from background import Spec, release_slots, shared_run
+from flag_runs import WALL_S
 from opd_patches.ops import checkpoints, receipts, summary
 
 REPO = Path(__file__).resolve().parents[1]
@@ -114,15 +118,14 @@ def log_text(run_dir: Path) -> str:
     return (run_dir.parent / f"{run_dir.name}.log").read_text(errors="replace")
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory, embedded):
-    return tmp_path_factory.mktemp("ops_e2e")
+SHARD = "actor/model_world_size_1_rank_0.pt"
 
 
-@pytest.fixture(scope="module")
-def first_wave(runs):
-    """The reference run and the run killed while saving step 3, side by side."""
-    ref, run = runs / "reference", runs / "resumed"
+def _ops_runs(base: Path) -> dict:
+    """The reference run and the run killed while saving step 3 side by side, then the killed run
+    resumed after one byte of its step-2 shard was flipped (a shared run: in the background pool,
+    tests/background.py, taking both of its job slots)."""
+    ref, run = base / "reference", base / "resumed"
     seen = {}
 
     def finishing_step_3():
@@ -136,40 +139,25 @@ def first_wave(runs):
     ref_code, killed = wait_all(Job(ref, COMMON), Job(run, COMMON, kill_when=finishing_step_3))
     time.sleep(3)  # time enough for an orphaned finish to write a receipt (it must not exist)
     seen["states_after_kill"] = [(s["step"], s["complete"]) for s in checkpoints.list_states(run)]
-    return {"reference": (ref, ref_code), "killed": (run, killed, seen)}
-
-
-@pytest.fixture(scope="module")
-def reference(first_wave):
-    return first_wave["reference"]
-
-
-@pytest.fixture(scope="module")
-def wall(runs):
-    """Started, not awaited: it runs beside the resumed run (test_wall_clock_... waits for it)."""
-    job = Job(runs / "wall", ["recipe=k1", "+overlay=smoke", "trainer.total_training_steps=500", "trainer.save_freq=100",
-                              "opd.debug.wall_clock_from_first_step=true"],
-              env={"WALL_CLOCK": str(WALL_S), "RESERVE": "0"})
-    yield runs / "wall", job
-    if job.code is None and job.proc.poll() is None:  # the session stopped early (-x): leave no run behind
-        job.kill()
-
-
-SHARD = "actor/model_world_size_1_rank_0.pt"
-# Counted from the first step (opd.debug.wall_clock_from_first_step; counted from the launch, a loaded
-# machine once spent 270 s before step 1): a smoke step takes 10-30 s here and the first save is predicted
-# as long as a step, so the run stops after one to a few steps, after 1.5 x (step + save) no longer fits.
-WALL_S = 45
-
-
-@pytest.fixture(scope="module")
-def resumed(first_wave, wall):
-    run, killed, seen = first_wave["killed"]
     shard = run / "global_step_2" / SHARD
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0xFF  # one flipped byte, same size: only the sha256 re-check sees it
     shard.write_bytes(bytes(data))
-    return run, killed, Job(run, COMMON).wait(), seen
+    release_slots(1)  # one training from here on
+    return {"reference": (ref, ref_code), "resumed": (run, killed, Job(run, COMMON).wait(), seen)}
+
+
+ops_runs = shared_run("ops_runs", lambda base: Spec(fn=_ops_runs), weight=2, cost=3)
+
+
+@pytest.fixture(scope="module")
+def reference(ops_runs):
+    return ops_runs.value["reference"]
+
+
+@pytest.fixture(scope="module")
+def resumed(ops_runs):
+    return ops_runs.value["resumed"]
 
 
 def test_receipts_pruning_and_nan_guard(reference):
@@ -226,10 +214,10 @@ def test_resumed_losses_equal_to_1e_6(reference, resumed):
             assert got[step][key] == pytest.approx(want[step][key], rel=1e-6, abs=1e-12), (step, key)
 
 
-def test_wall_clock_stops_with_a_validated_export(wall):
-    run, job = wall
-    code = job.wait()
-    text = log_text(run)
+def test_wall_clock_stops_with_a_validated_export(topk_tail_lean_off):
+    """The wall-clock stop, on the shared run of tests/conftest.py that also serves test_lean_topk.py
+    (whose comparison reads its step 1 only)."""
+    run, code, text = topk_tail_lean_off.out, topk_tail_lean_off.returncode, topk_tail_lean_off.log
     assert code == 0, text[-3000:]
     s = summary.read(run)
     assert s["status"] == "wall_clock" and 1 <= s["steps_done"] < 500, s
