@@ -57,13 +57,16 @@ smoke: $(DEPS)
 smoke-gpu: $(DEPS)
 	$(PY) -m opd_patches.smoke_gpu $(if $(PART),--part $(PART)) $(if $(OUT),--out $(OUT)) $(SMOKE_GPU_ARGS)
 
-# End-to-end runs start in the background after collection (tests/background.py; OPD_TEST_JOBS at a time).
+# End-to-end runs start in the background after collection (tests/background.py; OPD_TEST_JOBS slots).
+# Bytecode is cached even where PYTHONDONTWRITEBYTECODE is set (as on this project's machines): otherwise
+# each Python process of the suite (every Ray worker of every training) compiles opd_patches again
+# (~0.7 s each here) and pytest rewrites every test module's asserts again (~6 s per session).
 test: $(DEPS)
-	$(PY) -m pytest -q --durations=20
+	PYTHONDONTWRITEBYTECODE= $(PY) -m pytest -q --durations=20
 
 # The quick loop: no end-to-end run, no fresh process importing VERL (both run in `make test`).
 test-fast: $(DEPS)
-	$(PY) -m pytest -q -m "not slow and not fresh_process" --durations=10
+	PYTHONDONTWRITEBYTECODE= $(PY) -m pytest -q -m "not slow and not fresh_process" --durations=10
 
 vendor-check: $(DEPS)
 	$(PY) verl_vendor/vendor.py check

@@ -4,23 +4,21 @@ import json
 import shutil
 
 import pytest
-from hydra import compose, initialize_config_dir
 
 import opd_patches  # noqa: F401  (registers forward_kl_topk_tail, which the error lists)
 from opd_patches import compat, main
 
-from conftest import REPO
+from composed import compose_recipe
 
 
 def composed(embedded, recipe, *overrides, teacher=None):
-    with initialize_config_dir(config_dir=str(REPO / "recipes"), version_base=None):
-        return compose(config_name=recipe, overrides=[
-            "hydra.searchpath=[pkg://verl.trainer.config]",
-            f"actor_rollout_ref.model.path={embedded['student']}",
-            f"distillation.teacher_models.teacher_model.model_path={teacher or embedded['teacher']}",
-            f"data.train_files={embedded['train']}", f"data.val_files={embedded['val']}",
-            "+device=cpu", *overrides,
-        ])
+    return compose_recipe(
+        recipe,
+        f"actor_rollout_ref.model.path={embedded['student']}",
+        f"distillation.teacher_models.teacher_model.model_path={teacher or embedded['teacher']}",
+        f"data.train_files={embedded['train']}", f"data.val_files={embedded['val']}",
+        "+device=cpu", *overrides,
+    )
 
 
 @pytest.mark.parametrize("recipe", ["k1", "topk", "topk_tail"])

@@ -23,7 +23,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
 from omegaconf import open_dict
 from tensordict import TensorDict
 from transformers import AutoModelForCausalLM
@@ -31,6 +30,7 @@ from verl.trainer.ppo.v1 import AgentLoopManagerTQ, get_trainer_cls
 from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 
 
+import composed
 from model_refs import fake_vllm_output, sharp_path_fixture, upstream_extractor
 from opd_patches.teacher import scoring, trainer  # noqa: F401  (trainer: registers "colocated_teacher")
 from opd_patches.teacher.agent_loop import ColocatedTeacherAgentLoopManager, without_teacher_server
@@ -85,19 +85,15 @@ def assert_same_fields(ours, theirs):
 
 
 def compose_recipe(recipe, teacher_path, *overrides):
-    with initialize_config_dir(config_dir=str(REPO / "recipes"), version_base=None):
-        config = compose(
-            config_name=recipe,
-            overrides=[
-                "hydra.searchpath=[pkg://verl.trainer.config]",  # as run.sh
-                "+device=cpu",
-                "actor_rollout_ref.model.path=/models/student",
-                f"distillation.teacher_models.teacher_model.model_path={teacher_path}",
-                "distillation.n_gpus_per_node=1",
-                "distillation.nnodes=1",
-                *overrides,
-            ],
-        )
+    config = composed.compose_recipe(
+        recipe,
+        "+device=cpu",
+        "actor_rollout_ref.model.path=/models/student",
+        f"distillation.teacher_models.teacher_model.model_path={teacher_path}",
+        "distillation.n_gpus_per_node=1",
+        "distillation.nnodes=1",
+        *overrides,
+    )
     return config
 
 

@@ -7,7 +7,6 @@ VERL's `validate_config` and the dataclass conversions that the trainer performs
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf, open_dict
 from verl.trainer.ppo.utils import need_critic, need_reference_policy
 from verl.utils.config import omega_conf_to_dataclass, validate_config
@@ -15,25 +14,23 @@ from verl.utils.config import omega_conf_to_dataclass, validate_config
 import opd_patches  # noqa: F401  (registers the hf backend that the cpu device selects)
 from opd_patches import main
 
+import composed
+
 REPO = Path(__file__).resolve().parents[1]
 RECIPES = ("k1", "topk", "topk_tail")
 DEVICES = ("cpu", "gpu", "gpu-hf")
 
 
 def compose_recipe(recipe, *overrides, device="cpu"):
-    with initialize_config_dir(config_dir=str(REPO / "recipes"), version_base=None):
-        return compose(
-            config_name=recipe,
-            overrides=[
-                "hydra.searchpath=[pkg://verl.trainer.config]",  # as run.sh
-                "actor_rollout_ref.model.path=/models/student",
-                "distillation.teacher_models.teacher_model.model_path=/models/teacher",
-                "data.train_files=/data/train.parquet",
-                "data.val_files=/data/val.parquet",
-                f"+device={device}",
-                *overrides,
-            ],
-        )
+    return composed.compose_recipe(
+        recipe,
+        "actor_rollout_ref.model.path=/models/student",
+        "distillation.teacher_models.teacher_model.model_path=/models/teacher",
+        "data.train_files=/data/train.parquet",
+        "data.val_files=/data/val.parquet",
+        f"+device={device}",
+        *overrides,
+    )
 
 
 def validate(config):

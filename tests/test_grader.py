@@ -290,14 +290,9 @@ RECOMMENDED = ["reward.custom_reward_function.path=pkg://opd_patches.reward",
 
 
 def compose_k1(model, *overrides):
-    from hydra import compose, initialize_config_dir
+    from composed import compose_recipe
 
-    with initialize_config_dir(config_dir=str(REPO / "recipes"), version_base=None):
-        return compose(
-            config_name="k1",
-            overrides=["hydra.searchpath=[pkg://verl.trainer.config]", f"actor_rollout_ref.model.path={model}",
-                       *overrides],
-        )
+    return compose_recipe("k1", f"actor_rollout_ref.model.path={model}", *overrides)
 
 
 @pytest.mark.parametrize(

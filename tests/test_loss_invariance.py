@@ -44,7 +44,6 @@ from dist_group import single_rank_gloo  # noqa: E402
 
 from opd_patches.losses import tail_kl_per_token, tail_term_per_token, truncated_kl_per_token  # noqa: E402
 
-RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 V = 96  # vocabulary
 K = 4  # teacher top-k (the recipes' 16 is overridden: it must stay well below V here)
 # (prompt, response) lengths: different on purpose; one response has masked tokens in the middle
@@ -112,11 +111,9 @@ def model_dir(tmp_path_factory):
 
 
 def compose(recipe: str, model_dir: Path, extra=()):
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
+    from composed import compose_recipe
 
     overrides = [
-        "hydra.searchpath=[pkg://verl.trainer.config]",
         f"actor_rollout_ref.model.path={model_dir}",
         "distillation.teacher_models.teacher_model.model_path=unused",
         "data.train_files=unused",
@@ -133,8 +130,7 @@ def compose(recipe: str, model_dir: Path, extra=()):
         overrides.append(f"distillation.distillation_loss.topk={K}")
     from opd_patches.main import apply_attention
 
-    with initialize_config_dir(config_dir=str(RECIPES), version_base=None):
-        cfg = hydra_compose(config_name=recipe, overrides=overrides)
+    cfg = compose_recipe(recipe, *overrides)
     apply_attention(cfg)  # opd.attn_implementation -> upstream's key, as opd_patches.main does (sdpa on the CPU)
     assert cfg.actor_rollout_ref.model.override_config.attn_implementation == "sdpa"
     return cfg

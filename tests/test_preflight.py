@@ -137,18 +137,15 @@ def test_step0_agrees_with_teacher_scoring(embedded):
 
 
 def _composed(embedded, tmp_path, *overrides, teacher=None):
-    from hydra import compose, initialize_config_dir
+    from composed import compose_recipe
 
-    from conftest import REPO
-
-    with initialize_config_dir(config_dir=str(REPO / "recipes"), version_base=None):
-        return compose(config_name="topk", overrides=[
-            "hydra.searchpath=[pkg://verl.trainer.config]",
-            f"actor_rollout_ref.model.path={embedded['student']}",
-            f"distillation.teacher_models.teacher_model.model_path={teacher or embedded['teacher']}",
-            f"data.train_files={embedded['train']}", f"data.val_files={embedded['val']}",
-            f"trainer.default_local_dir={tmp_path / 'run'}", "+device=cpu", *overrides,
-        ])
+    return compose_recipe(
+        "topk",
+        f"actor_rollout_ref.model.path={embedded['student']}",
+        f"distillation.teacher_models.teacher_model.model_path={teacher or embedded['teacher']}",
+        f"data.train_files={embedded['train']}", f"data.val_files={embedded['val']}",
+        f"trainer.default_local_dir={tmp_path / 'run'}", "+device=cpu", *overrides,
+    )
 
 
 @pytest.fixture
