@@ -78,6 +78,7 @@ class Pool:
         self.queue: list[str] = []
         self.running: dict[str, tuple[int, threading.Thread]] = {}
         self.procs: dict[str, subprocess.Popen] = {}
+        self.tracked: list[subprocess.Popen] = []  # started by a run's fn (track()): killed by close() too
         self.lock = threading.Condition()
         # Two trainings at a time by default: each CPU training holds a Ray cluster of ~5-6 GB (24 GiB here;
         # five at once met Ray's OOM killer, at 95%), and one alone keeps only about one of the 2 cores busy.
@@ -140,12 +141,17 @@ class Pool:
             self.running[name] = (max(0, weight - slots), thread)
             self.lock.notify_all()
 
+    def track(self, proc: subprocess.Popen) -> None:
+        """A process (leader of its own group) that a run's fn started: close() kills its group if it still runs."""
+        with self.lock:
+            self.tracked.append(proc)
+
     def close(self) -> None:
         """End of session: kill what still runs (a run nobody waited for, e.g. after -x)."""
         with self.lock:
             self.closed = True
             self.queue.clear()
-            procs = list(self.procs.values())
+            procs = list(self.procs.values()) + [p for p in self.tracked if p.poll() is None]
         for proc in procs:
             _kill_group(proc)
 

@@ -94,3 +94,24 @@ def test_a_run_that_releases_a_slot_lets_another_start_beside_it(tmp_path, monke
     assert pool.get("a").value == "done" and other_started == [True]
     assert pool.get("b").returncode == 0 and window(pool.get("b"))[0] / 1e9 >= released[0]
     pool.close()
+
+
+def test_close_kills_what_a_runs_fn_started_and_tracked(tmp_path):
+    import subprocess
+
+    pool = Pool()
+    started = []
+
+    def fn(out):
+        proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+        pool.track(proc)
+        started.append(proc)
+        proc.wait()
+
+    pool.declare("parent", lambda out: Spec(fn=fn), 1, 1)
+    pool.start(["parent"], tmp_path, None)
+    deadline = time.monotonic() + 30
+    while not started and time.monotonic() < deadline:
+        time.sleep(0.05)
+    pool.close()
+    assert started and started[0].poll() is not None  # killed, not left behind

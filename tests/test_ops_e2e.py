@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pytest
 
-from background import Spec, release_slots, shared_run
+from background import POOL, Spec, release_slots, shared_run
 from flag_runs import WALL_S
 from opd_patches.ops import checkpoints, receipts, summary
 
@@ -62,6 +62,7 @@ class Job:
         self.log = open(run_dir.parent / f"{run_dir.name}.log", "a")
         self.proc = subprocess.Popen([str(REPO / "run.sh"), *args], cwd=REPO, env=full_env, stdout=self.log,
                                      stderr=subprocess.STDOUT, start_new_session=True)
+        POOL.track(self.proc)  # a session that ends early (-x, Ctrl-C) leaves no training behind
         self.deadline = time.monotonic() + timeout
 
     def poll(self) -> bool:
