@@ -243,11 +243,6 @@ def _kill_group(proc: subprocess.Popen) -> None:
 POOL = Pool()
 
 
-def release_slots(slots: int) -> None:
-    """Called from a shared run's fn: see Pool.release."""
-    POOL.release(slots)
-
-
 def shared_run(name: str, make_spec: Callable[[Path], Spec], weight: int = 1, cost: float = 1.0):
     """Declare run `name` and return its session fixture (assign it to a module-level name of that
     name). weight: job slots it takes (a run that trains two at once: 2); cost: its duration in

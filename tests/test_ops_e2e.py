@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pytest
 
-from background import POOL, Spec, release_slots, shared_run
+from background import POOL, Spec, shared_run
 from flag_runs import WALL_S
 from opd_patches.ops import checkpoints, receipts, summary
 
@@ -144,7 +144,7 @@ def _ops_runs(base: Path) -> dict:
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0xFF  # one flipped byte, same size: only the sha256 re-check sees it
     shard.write_bytes(bytes(data))
-    release_slots(1)  # one training from here on
+    POOL.release(1)  # one training from here on
     return {"reference": (ref, ref_code), "resumed": (run, killed, Job(run, COMMON).wait(), seen)}
 
 
