@@ -132,15 +132,6 @@ class Pool:
         return [f"{r.started_s:7.0f} s +{r.wall_s:6.0f} s  {name}" + ("" if r.returncode == 0 else f"  (exit {r.returncode})")
                 for name, r in done]
 
-    def release(self, slots: int) -> None:
-        """Called from a running shared run's fn (its thread): it now needs `slots` fewer job slots (a run
-        that trained two at once goes on with one), so another run may start beside it."""
-        name = threading.current_thread().name.removeprefix("run-")
-        with self.lock:
-            weight, thread = self.running[name]
-            self.running[name] = (max(0, weight - slots), thread)
-            self.lock.notify_all()
-
     def track(self, proc: subprocess.Popen) -> None:
         """A process (leader of its own group) that a run's fn started: close() kills its group if it still runs."""
         with self.lock:

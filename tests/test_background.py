@@ -73,29 +73,6 @@ def test_fn_runs_and_errors_are_reported(tmp_path):
     pool.close()
 
 
-def test_a_run_that_releases_a_slot_lets_another_start_beside_it(tmp_path, monkeypatch):
-    monkeypatch.setenv("OPD_TEST_JOBS", "2")
-    pool = Pool()
-    released, other_started = [], []
-
-    def two_then_one(out):
-        time.sleep(0.3)  # both slots held: "b" must wait
-        released.append(time.monotonic())
-        pool.release(1)
-        deadline = time.monotonic() + 20
-        while not (tmp_path / "b" / "start").exists() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        other_started.append((tmp_path / "b" / "start").exists())  # "b" ran while this one still ran
-        return "done"
-
-    pool.declare("a", lambda out: Spec(fn=two_then_one), weight=2, cost=2)
-    pool.declare("b", sleeper(0.1), weight=1, cost=1)
-    pool.start(["a", "b"], tmp_path, None)
-    assert pool.get("a").value == "done" and other_started == [True]
-    assert pool.get("b").returncode == 0 and window(pool.get("b"))[0] / 1e9 >= released[0]
-    pool.close()
-
-
 def test_close_kills_what_a_runs_fn_started_and_tracked(tmp_path):
     import subprocess
 
