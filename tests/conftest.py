@@ -20,6 +20,10 @@ REPO = Path(__file__).resolve().parents[1]
 RECIPES = ("k1", "topk", "topk_tail")
 # As in every Ray process of a run: importing verl registers opd_patches (opd_patches/registered.py).
 os.environ["VERL_USE_EXTERNAL_MODULES"] = "opd_patches.registered"
+# As run.sh on a machine without a GPU. VERL fixes its platform when its trainer or engines are first
+# imported: set before any test module is (a module importing opd_patches.ops.trainer at collection, ahead
+# of one that sets the variable itself, left VERL on cuda for the rest of the session).
+os.environ["VERL_PLATFORM"] = "cpu"
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -17,8 +17,6 @@ os.environ["VERL_PLATFORM"] = "cpu"  # before any VERL platform query; importing
 import copy
 import json
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -31,6 +29,7 @@ from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 
 
 import composed
+from fresh_verl import facts
 from model_refs import fake_vllm_output, sharp_path_fixture, upstream_extractor
 from opd_patches.teacher import scoring, trainer  # noqa: F401  (trainer: registers "colocated_teacher")
 from opd_patches.teacher.agent_loop import ColocatedTeacherAgentLoopManager, without_teacher_server
@@ -219,32 +218,15 @@ def test_agent_loop_workers_see_no_teacher(assets):
     assert issubclass(get_trainer_cls("colocated_teacher"), PPOTrainerSync)
 
 
-PROBE = """
-import json
-import verl  # imports the modules named in VERL_USE_EXTERNAL_MODULES
-from verl.plugin.platform import platform_manager
-fixed = platform_manager._current_platform is not None
-from verl.trainer.ppo.v1.trainer_base import TRAINER_REGISTRY
-print(json.dumps({"mode": getattr(TRAINER_REGISTRY.get("colocated_teacher"), "__name__", None), "fixed": fixed}))
-"""
-
-
-@pytest.mark.parametrize(
-    "modules,mode", [("opd_patches.registered", None),
-                     ("opd_patches.registered,opd_patches.teacher.trainer", "ColocatedTeacherTrainer")]
-)
+@pytest.mark.parametrize("env,mode", [("registered", None), ("colocated", "ColocatedTeacherTrainer")])
 @pytest.mark.fresh_process
-def test_trainer_mode_registered_through_the_env_var(modules, mode):
+def test_trainer_mode_registered_through_the_env_var(env, mode):
     """`colocated_teacher` exists in processes whose VERL_USE_EXTERNAL_MODULES names its module (main.py
     adds it for colocated runs). opd_patches alone does not import it: VERL's trainer imports its engines,
     which fix VERL's platform at import time."""
-    env = {k: v for k, v in os.environ.items() if k not in ("VERL_USE_EXTERNAL_MODULES", "VERL_PLATFORM")}
-    out = subprocess.run([sys.executable, "-c", PROBE], env={**env, "VERL_USE_EXTERNAL_MODULES": modules},
-                         capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr[-3000:]
-    result = json.loads(out.stdout.splitlines()[-1])
-    assert result["mode"] == mode
-    assert result["fixed"] == (mode is not None)
+    seen = facts(env)
+    assert seen["modes"].get("colocated_teacher", [None])[0] == mode
+    assert seen["platform_fixed"] == (mode is not None)
 
 
 # ---- 5. end to end: two training steps on one logical GPU, no teacher pool -----------------------

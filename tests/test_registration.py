@@ -2,8 +2,8 @@
 a plain `import opd_patches` registers nothing and imports no VERL (the evaluation, data and statistics
 commands start without VERL's import cost).
 
-Each check runs in a fresh interpreter: registration is a side effect of import, so an in-process
-test would only see whatever an earlier test imported.
+Each check reads a fresh interpreter (tests/fresh_verl.py): registration is a side effect of import, so an
+in-process test would only see whatever an earlier test imported.
 """
 
 import json
@@ -14,26 +14,9 @@ import textwrap
 
 import pytest
 
-PROBE = textwrap.dedent(
-    """
-    import json, verl
-    from verl.plugin.platform.platform_manager import PlatformRegistry
-    from verl.workers.rollout.replica import RolloutReplicaRegistry
-    from verl.workers.rollout.base import _ROLLOUT_REGISTRY
-    from verl.workers.config.distillation import DistillationTeacherModelConfig
-    import torch.distributed
-    print(json.dumps({
-        "platform_cpu": PlatformRegistry.get("cpu") is not None,
-        "replica_hf": "hf" in RolloutReplicaRegistry._registry,
-        "rollout_hf": ("hf", "async") in _ROLLOUT_REGISTRY,
-        "topk_patch": getattr(DistillationTeacherModelConfig._validate_topk_logprobs, "_opd_patched", False),
-        "gloo_patch": getattr(torch.distributed.init_process_group, "_opd_patched", False),
-    }))
-    """
-)
+from fresh_verl import REGISTRATION, facts
 
-
-def probe(code=PROBE, **env):
+def probe(code, **env):
     full_env = {k: v for k, v in os.environ.items() if k not in ("VERL_USE_EXTERNAL_MODULES", "VERL_PLATFORM")}
     full_env.update(env)
     out = subprocess.run([sys.executable, "-c", code], env=full_env, capture_output=True, text=True, timeout=120)
@@ -42,26 +25,21 @@ def probe(code=PROBE, **env):
 
 @pytest.mark.fresh_process
 def test_registered_in_a_fresh_process_through_the_env_var():
-    out = probe(VERL_USE_EXTERNAL_MODULES="opd_patches.registered")
-    assert out.returncode == 0, out.stderr
-    assert json.loads(out.stdout.splitlines()[-1]) == dict.fromkeys(
-        ("platform_cpu", "replica_hf", "rollout_hf", "topk_patch", "gloo_patch"), True)
+    assert facts("registered")["registration"] == dict.fromkeys(REGISTRATION, True)
 
 
 @pytest.mark.fresh_process
 def test_nothing_registered_without_the_env_var():
-    """Registration must not depend on the silent `verl.plugins` entry point (there is none)."""
-    out = probe()
-    assert out.returncode == 0, out.stderr
-    assert not any(json.loads(out.stdout.splitlines()[-1]).values())
+    """Neither VERL (registration must not depend on the silent `verl.plugins` entry point: there is none)
+    nor a plain `import opd_patches` registers anything."""
+    registration = facts("none")["registration"]
+    assert set(registration) == set(REGISTRATION) and not any(registration.values())
 
 
 @pytest.mark.fresh_process
 def test_register_is_idempotent():
-    code = "import opd_patches, verl\n" "opd_patches.register(); opd_patches.register()\n" + PROBE
-    out = probe(code, VERL_USE_EXTERNAL_MODULES="opd_patches.registered")
-    assert out.returncode == 0, out.stderr
-    assert all(json.loads(out.stdout.splitlines()[-1]).values())
+    """register() twice more after the env var's import: nothing raises, everything stays registered."""
+    assert facts("registered")["registration_again"] == dict.fromkeys(REGISTRATION, True)
 
 
 def test_wrong_verl_version_fails_with_a_clear_message():
@@ -86,10 +64,3 @@ def test_importing_the_package_is_cheap():
     out = probe("import json\n" + code, VERL_USE_EXTERNAL_MODULES="opd_patches.registered")
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout.splitlines()[-1]) == {"verl": False, "torch": False, "ray": False}
-
-
-@pytest.mark.fresh_process
-def test_plain_import_registers_nothing():
-    out = probe("import opd_patches, verl\n" + PROBE)
-    assert out.returncode == 0, out.stderr
-    assert not any(json.loads(out.stdout.splitlines()[-1]).values())

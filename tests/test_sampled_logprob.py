@@ -15,6 +15,7 @@ import torch
 from opd_patches.losses import sampled_logprob as sl
 
 from flag_runs import run_pair
+from fresh_verl import facts
 
 
 def _data(shape, vocab, dtype, seed, scale=3.0):
@@ -209,16 +210,8 @@ def test_end_to_end_patched_path_matches_upstream(logprob_run_pair):
 
 @pytest.mark.fresh_process
 def test_a_fresh_process_gets_the_patch_through_the_env_var():
-    """What VERL_USE_EXTERNAL_MODULES=opd_patches.registered does in every Ray worker."""
-    import os
-    import subprocess
-    import sys
-
-    code = ("import verl.utils.torch_functional as F; "
-            "assert getattr(F.logprobs_from_logits_v2, '_opd_patched', False); print('patched')")
-    env = {**os.environ, "VERL_USE_EXTERNAL_MODULES": "opd_patches.registered"}
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0 and proc.stdout.strip() == "patched", proc.stderr[-2000:]
+    """What VERL_USE_EXTERNAL_MODULES=opd_patches.registered does in every Ray worker (tests/fresh_verl.py)."""
+    assert facts("registered")["logprobs_patched"] is True
 
 
 def test_microbench_runs_at_a_tiny_size(tmp_path, capsys):
