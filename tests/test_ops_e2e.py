@@ -41,6 +41,8 @@ COMMON = [
     # Batch-invariant hf rollout: each request generated alone, so a sample's tokens never depend on
     # which requests arrived together (opd_patches/backends/hf_rollout.py).
     "actor_rollout_ref.rollout.full_determinism=true",
+    # A window to kill in: the tiny export is validated by the trainer, its finish alone takes ~0.2 s.
+    "opd.debug.finish_hold_s=5",
 ]
 LOSSES = ("actor/loss", "actor/distillation/loss", "actor/pg_loss")
 pytestmark = pytest.mark.slow

@@ -55,6 +55,32 @@ def test_a_large_export_is_validated_in_a_child_a_tiny_one_in_process(tmp_path, 
     assert bad_in["checks"] == bad_child["checks"]
 
 
+def test_a_tiny_export_is_validated_by_the_trainer_and_its_finish_imports_no_torch(tmp_path, embedded, monkeypatch):
+    """finish.validated_here (the trainer, before a background finish): the tiny export's validation, the
+    caller's torch random state untouched (training goes on after it); the finish process handed it writes it
+    into the receipt without importing torch. A large export is left to the finish."""
+    import shutil
+
+    import torch
+
+    state = make_state(tmp_path, 1, complete=False)
+    shutil.rmtree(state / receipts.HF_EXPORT)
+    shutil.copytree(embedded["student"], state / receipts.HF_EXPORT)
+    torch.manual_seed(0)
+    want = torch.rand(3)
+    torch.manual_seed(0)
+    validation = finish.validated_here(state, None, 600)
+    assert torch.equal(torch.rand(3), want)
+    assert validation["ok"] is True and validation["parameters"] > 0, validation
+    code = "import sys; from opd_patches.ops import finish; finish.main(sys.argv[1:]); print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code, "finish", "--state", str(state), "--step", "1", "--validate",
+                          "--validation-json", json.dumps(validation)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.split()[-1] == "False", out.stdout[-2000:] + out.stderr[-2000:]
+    assert json.loads((state / receipts.NAME).read_text())["validation"] == validation
+    monkeypatch.setattr(finish, "IN_PROCESS_BYTES", 0)
+    assert finish.validated_here(state, None, 600) is None
+
+
 def test_background_finish_writes_the_receipt_last_then_prunes(tmp_path):
     make_state(tmp_path, 1)
     make_state(tmp_path, 2)

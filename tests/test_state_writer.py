@@ -103,12 +103,12 @@ def test_save_returns_before_the_write_and_keeps_the_state_of_the_call(process_g
     names = [f"{part}_world_size_1_rank_0.pt" for part in ("model", "optim", "extra_state")]
     assert all((state / (n + state_writer.WRITING)).exists() and not (state / n).exists() for n in names)
     with pytest.raises(TimeoutError, match="still being written"):
-        state_writer.wait_for_writes(state.parent, timeout_s=0.3, poll_s=0.05)
+        receipts.wait_for_writes(state.parent, timeout_s=0.3, poll_s=0.05)
 
     _step(model, optim)  # training goes on and changes weights and moments in place
     assert any(not torch.equal(at_save[k], v) for k, v in _local(model.state_dict()).items())
     writer.gate.set()
-    state_writer.wait_for_writes(state.parent, timeout_s=60)
+    receipts.wait_for_writes(state.parent, timeout_s=60)
     writer.drain()
     assert all((state / n).exists() for n in names)
     assert not list(state.rglob("*" + state_writer.PARTIAL))

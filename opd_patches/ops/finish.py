@@ -2,12 +2,15 @@
 
     python -m opd_patches.ops.finish finish --state RUN/global_step_N --step N [--validate] [--build-export]
         [--expected-params P] [--timeout-s T] [--keep K] [--result OUT.json] [--parent-pid PID]
+        [--validation-json JSON (done by the trainer)] [--hold-s S (tests)]
 
 With `opd.background_save: true` (recipes/base.yaml) the trainer starts this as a subprocess right
 after upstream's save and trains on; otherwise it calls `finish()` in-process. Either way the order
 is the same: the end of the state files' background writes (state_writer.py), the HF export's weights
 built from those files (`opd.background_export`, state_export.py), export validation
-(`opd_patches.validate` in a CPU-only child process; a tiny export in-process), the sha256 of every file, the receipt written last
+(`opd_patches.validate` in a CPU-only child process; a tiny export in-process, and before a background
+finish by the trainer itself, so that the finish process imports neither torch nor transformers), the
+sha256 of every file, the receipt written last
 (receipts.py: only now is the state complete), then pruning (checkpoints.py; only here, over
 completed states, one finish at a time). A state file whose write failed leaves the state without a
 receipt (the result names it under "error").
@@ -30,7 +33,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from opd_patches.ops import checkpoints, export, receipts, state_writer
+from opd_patches.ops import checkpoints, export, receipts
 
 _PR_SET_PDEATHSIG = 1
 
@@ -53,11 +56,16 @@ def die_with_parent(parent_pid: int | None) -> None:
 IN_PROCESS_BYTES = 64 * 2**20
 
 
-def validate_export(export: Path, expected_params: int | None, timeout_s: float) -> dict:
-    """opd_patches.validate in a CPU-only child (never contends with training memory), or here for an export of
-    at most IN_PROCESS_BYTES -> the receipt's `validation`."""
+def tiny(export: Path) -> bool:
+    """Whether the export's weights (0 < bytes <= IN_PROCESS_BYTES) are validated in-process."""
     weights = sum(f.stat().st_size for pattern in ("*.safetensors", "*.bin") for f in Path(export).glob(pattern))
-    if 0 < weights <= IN_PROCESS_BYTES:
+    return 0 < weights <= IN_PROCESS_BYTES
+
+
+def validate_export(export: Path, expected_params: int | None, timeout_s: float) -> dict:
+    """opd_patches.validate in a CPU-only child (never contends with training memory), or here for a tiny
+    export -> the receipt's `validation`."""
+    if tiny(export):
         from opd_patches import validate
 
         return _receipt_validation(validate.check(Path(export), expected_params=expected_params))
@@ -79,19 +87,36 @@ def validate_export(export: Path, expected_params: int | None, timeout_s: float)
     return _receipt_validation(result)
 
 
+def validated_here(state: Path, expected_params: int | None, timeout_s: float) -> dict | None:
+    """The validation of `state`'s tiny export, done in this process before its background finish starts (that
+    process then imports neither torch nor transformers: ~5 s of CPU each on 2 cores, more than the check);
+    None for any other export (the finish validates it). Leaves this process's torch random state as it was."""
+    hf = Path(state) / receipts.HF_EXPORT
+    if not tiny(hf):
+        return None
+    import torch
+
+    export.make_portable(hf)  # validated as the finish would: after it (idempotent there)
+    with torch.random.fork_rng(devices=[]):
+        return validate_export(hf, expected_params, timeout_s)
+
+
 def _receipt_validation(result: dict) -> dict:
     return {"ok": bool(result["valid"]), "checks": result.get("checks", {}), "error": result.get("reason"),
             "parameters": result.get("parameters"), "stored_dtype": result.get("stored_dtype")}
 
 
 def finish(state: Path, step: int, validate: bool = True, expected_params: int | None = None,
-           timeout_s: float = 1800, keep: int | None = None, build_export: bool = False) -> dict:
+           timeout_s: float = 1800, keep: int | None = None, build_export: bool = False,
+           validation: dict | None = None, hold_s: float = 0.0) -> dict:
     """(Build the HF export,) validate, hash, write the receipt, prune; returns what happened with the
-    seconds each part took. build_export: the weights come from the state files (state_export.py)."""
+    seconds each part took. build_export: the weights come from the state files (state_export.py).
+    validation: the export's, already done (`validated_here`); it goes into the receipt as it is.
+    hold_s: TEST ONLY (opd.debug.finish_hold_s) wait before hashing: a window to kill the run in."""
     state = Path(state)
     t0 = time.monotonic()
     try:
-        state_writer.wait_for_writes(state, timeout_s)  # background state writes (state_writer.py) end first
+        receipts.wait_for_writes(state, timeout_s)  # background state writes (state_writer.py) end first
     except (OSError, TimeoutError) as exc:
         return {"step": int(step), "error": str(exc), "ended_at": time.time()}
     t_written = time.monotonic()
@@ -105,7 +130,9 @@ def finish(state: Path, step: int, validate: bool = True, expected_params: int |
                     "ended_at": time.time()}
     t_exported = time.monotonic()
     export.make_portable(state / receipts.HF_EXPORT)  # before validation and hashing: what users load
-    validation = validate_export(state / receipts.HF_EXPORT, expected_params, timeout_s) if validate else None
+    if validation is None and validate:
+        validation = validate_export(state / receipts.HF_EXPORT, expected_params, timeout_s)
+    time.sleep(hold_s)
     t1 = time.monotonic()
     files = receipts.inventory(state)
     t2 = time.monotonic()
@@ -138,6 +165,10 @@ def launch(state: Path, step: int, result: Path, **kwargs) -> subprocess.Popen:
         cmd += ["--keep", str(kwargs["keep"])]
     if kwargs.get("build_export"):
         cmd.append("--build-export")
+    if kwargs.get("hold_s"):
+        cmd += ["--hold-s", str(kwargs["hold_s"])]
+    if kwargs.get("validation") is not None:
+        cmd += ["--validation-json", json.dumps(kwargs["validation"])]
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "TOKENIZERS_PARALLELISM": "false"}
     return subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL)
 
@@ -174,6 +205,8 @@ def main(argv=None) -> int:
     f.add_argument("--timeout-s", type=float, default=1800)
     f.add_argument("--keep", type=int)
     f.add_argument("--build-export", action="store_true", help="write the HF export's weights from the state files")
+    f.add_argument("--validation-json", type=json.loads, help="the export's validation, already done (JSON)")
+    f.add_argument("--hold-s", type=float, default=0.0, help="TEST ONLY: wait before hashing (opd.debug.finish_hold_s)")
     f.add_argument("--result", type=Path, help="write the result here (JSON)")
     f.add_argument("--parent-pid", type=int, help="die with this process (the trainer)")
     args = parser.parse_args(argv)
@@ -182,7 +215,7 @@ def main(argv=None) -> int:
         print(f"--state {args.state}: no such state folder", file=sys.stderr)
         return 2
     out = finish(args.state, args.step, args.validate, args.expected_params, args.timeout_s, args.keep,
-                 build_export=args.build_export)
+                 build_export=args.build_export, validation=args.validation_json, hold_s=args.hold_s)
     if args.result:
         receipts.atomic_write_json(args.result, out)
     print(json.dumps(out))

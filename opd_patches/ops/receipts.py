@@ -28,6 +28,7 @@ import datetime as _dt
 import hashlib
 import json
 import os
+import time
 from pathlib import Path
 
 NAME = "receipt.json"
@@ -35,6 +36,9 @@ PENDING = NAME + ".pending"  # written when a background finish starts (pid, sta
 REJECTED = NAME + ".rejected"  # a receipt whose files did not match their sha256 (reject)
 HF_EXPORT = "actor/huggingface"
 _CHUNK = 1 << 22
+# Markers of the background state writes (state_writer.py leaves them next to each file it writes; the
+# finish waits until none is left). Here, not there: the finish process then never imports torch.
+WRITING, FAILED, PARTIAL = ".writing", ".write-failed", ".partial"
 
 
 def sha256(path: Path) -> str:
@@ -162,3 +166,20 @@ def reject(state_dir: Path, reason: str) -> None:
         old = {}
     atomic_write_json(state_dir / REJECTED, {**(old if isinstance(old, dict) else {}), "rejected": reason})
     (state_dir / NAME).unlink(missing_ok=True)
+
+
+def wait_for_writes(state: Path, timeout_s: float, poll_s: float = 0.2) -> None:
+    """Block until no file of `state` is still being written; raise if one failed or the wait times out."""
+    state = Path(state)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        failed = sorted(state.rglob("*" + FAILED))
+        if failed:
+            f = failed[0]
+            raise OSError(f"writing {f.relative_to(state).as_posix()[:-len(FAILED)]} of {state} failed "
+                          f"({f.read_text().strip()}); the state stays incomplete")
+        if not any(state.rglob("*" + WRITING)):
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the state files of {state} were still being written after {timeout_s:g} s")
+        time.sleep(poll_s)

@@ -10,7 +10,7 @@ is 21.3 GB from GPU memory, ~32 s during which the trainer waits. With `opd.back
 - one writer thread per process writes the snapshots in order to `<path>.partial`, renames it to
   `<path>`, then removes the marker; a write that fails leaves `<path>.write-failed` (the error) instead;
 - the finish (finish.py, which hashes the state and writes its receipt) first waits until no
-  `.writing` marker is left under the state (`wait_for_writes`); a failure marker keeps the state
+  `.writing` marker is left under the state (`receipts.wait_for_writes`); a failure marker keeps the state
   without a receipt: incomplete, never resumed from. A kill before the writes end leaves no receipt either.
 
 The files hold host tensors (DTensors with host-local shards under FSDP2), the format of upstream's own
@@ -26,14 +26,14 @@ import copy
 import os
 import queue
 import threading
-import time
 import types
 from pathlib import Path
 
 import torch
 
+from opd_patches.ops.receipts import FAILED, PARTIAL, WRITING  # the markers; the finish waits on them
+
 ENV = "OPD_ASYNC_STATE_WRITE"
-WRITING, FAILED, PARTIAL = ".writing", ".write-failed", ".partial"
 # Snapshots of CUDA tensors go to page-locked host memory: on the H200, 21.3 GB in 3.3 s against 19.1 s pageable;
 # pinning costs once (the first save: 10.3 s), then torch's caching host allocator reuses the blocks, so the
 # process keeps one state's size pinned (make bench PHASE=save, README).
@@ -159,20 +159,3 @@ def deferred_saves(module, writer: _Writer | None = None):
         yield
     finally:
         module.torch = original
-
-
-def wait_for_writes(state: Path, timeout_s: float, poll_s: float = 0.2) -> None:
-    """Block until no file of `state` is still being written; raise if one failed or the wait times out."""
-    state = Path(state)
-    deadline = time.monotonic() + timeout_s
-    while True:
-        failed = sorted(state.rglob("*" + FAILED))
-        if failed:
-            f = failed[0]
-            raise OSError(f"writing {f.relative_to(state).as_posix()[:-len(FAILED)]} of {state} failed "
-                          f"({f.read_text().strip()}); the state stays incomplete")
-        if not any(state.rglob("*" + WRITING)):
-            return
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"the state files of {state} were still being written after {timeout_s:g} s")
-        time.sleep(poll_s)

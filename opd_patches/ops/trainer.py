@@ -96,6 +96,7 @@ class OpsTrainerMixin:
         # TEST ONLY: the wall clock counts from the first step instead of the launch, so that a test's
         # clock does not depend on how long start-up took on a loaded machine.
         self.ops_clock_from_first_step = bool(debug.get("wall_clock_from_first_step", False))
+        self.ops_finish_hold_s = float(debug.get("finish_hold_s") or 0.0)  # TEST ONLY: see recipes/base.yaml
         saves = debug.get("save_steps")  # BENCH ONLY: save after these steps only (make bench PHASE=step)
         self.ops_save_steps = None if saves is None else {int(x) for x in saves}
         if self.ops_inject_into not in ("loss", "teacher"):
@@ -159,16 +160,23 @@ class OpsTrainerMixin:
         # The last save of this process (final step or wall clock) is waited for: its receipt must exist at exit.
         last = self._ops_stop_reason is not None or step >= self.total_training_steps
         if self.ops_background and not last:
+            if self.ops_validate and not self.ops_build_export:
+                args["validation"] = finish.validated_here(state, args["expected_params"], self.ops_validate_timeout)
             if self._ops_tmp is None:
                 self._ops_tmp = tempfile.mkdtemp(prefix="opd-finish-")
             result = Path(self._ops_tmp) / f"step_{step}.json"
             result.unlink(missing_ok=True)
-            self._ops_finishing = dict(proc=finish.launch(state, step, result, **args), result=result, state=state,
+            self._ops_finishing = dict(proc=finish.launch(state, step, result, hold_s=self.ops_finish_hold_s, **args),
+                                       result=result, state=state,
                                        started=time.monotonic(), started_at=time.time(), waited=time.monotonic() - start)
             waited_for, later = ("", "HF export, ") if self.ops_build_export else (" and HF export", "")
+            if args.get("validation") is not None:
+                waited_for, later = waited_for + ", the tiny export's validation", ""
+            else:
+                later += "export validation, "
             print(f"[opd] saved step {step}: the trainer waited {self._ops_finishing['waited']:.1f} s (upstream's save: "
                   f"state, or its host snapshot with opd.background_state_write{waited_for}; any earlier finish); "
-                  f"{later}export validation, hashing and receipt continue in the background", flush=True)
+                  f"{later}hashing and receipt continue in the background", flush=True)
             return
         out = finish.finish(state, step, **args)
         self._ops_report(out, waited=time.monotonic() - start, background=False)
