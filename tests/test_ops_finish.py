@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -38,9 +39,15 @@ def test_failed_validation_is_recorded_and_never_displaces_the_last_validated_st
 def test_a_large_export_is_validated_in_a_child_a_tiny_one_in_process(tmp_path, embedded, monkeypatch):
     """Exports over IN_PROCESS_BYTES (every real model) go to the CPU-only child; the same answer either way,
     good and bad (the tiny student with a planted wrong parameter count)."""
-    calls = []
+    calls, here = [], threading.get_ident()
     real_run = subprocess.run
-    monkeypatch.setattr(finish.subprocess, "run", lambda *a, **k: calls.append(a[0]) or real_run(*a, **k))
+
+    def counted(*a, **k):  # subprocess.run is process-wide: the pool's threads call it too (ps, run.sh)
+        if threading.get_ident() == here:
+            calls.append(a[0])
+        return real_run(*a, **k)
+
+    monkeypatch.setattr(finish.subprocess, "run", counted)
     export = embedded["student"]
     answers = {}
     for limit in (finish.IN_PROCESS_BYTES, 0):
