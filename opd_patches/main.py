@@ -29,6 +29,7 @@ COLOCATED_MODE = "colocated_teacher"  # trainer mode of opd_patches/teacher/trai
 OPS_SYNC_MODE = "opd_sync"  # upstream's sync trainer + training operations (opd_patches/ops/trainer.py)
 LAUNCHED_AT = time.time()  # the wall clock (opd.wall_clock_s) counts from here
 COLOCATED_AGENT_LOOP = "opd_patches.teacher.agent_loop.ColocatedTeacherAgentLoopManager"
+VERL_CONFIG_PKG = "pkg://verl.trainer.config"  # run.sh's search path: VERL's ppo_trainer and its groups
 
 
 class ConfigError(ValueError):
@@ -363,8 +364,9 @@ def run(config: DictConfig) -> None:
     if not config.trainer.use_v1:
         raise ConfigError("trainer.use_v1=false: opd_patches builds on VERL's V1 trainer only.")
     # Before prepare(): a refused run must not rotate the running one's files; before importing VERL: a
-    # refusal costs no import (~8 s of CPU on 2 cores).
+    # refusal or a mistyped path costs no import (~8 s of CPU on 2 cores).
     hold_run_lock(config)
+    check_paths(config)
     from verl.trainer.main_ppo import TaskRunnerV1, run_ppo
     from verl.trainer.ppo.utils import need_critic, need_reference_policy
     from verl.utils.config import validate_config
@@ -390,6 +392,22 @@ def run(config: DictConfig) -> None:
         print(summary.line(ended), flush=True)
 
 
+def searchpath_without_import(argv: list[str]) -> list[str]:
+    """`argv` with run.sh's `pkg://verl.trainer.config` search path given as the same folder (file://).
+
+    Hydra imports a pkg:// path's package to find its files: `import verl` (torch, ray, ...: ~8 s of CPU on
+    2 cores) before this process takes the run lock or checks a path. VERL's config files are the same
+    either way; VERL itself is imported once those checks passed (run()). Unchanged when verl is not
+    installed (Hydra then names the missing package)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("verl")  # a top-level package: located, not executed
+    if spec is None or not spec.submodule_search_locations:
+        return argv
+    folder = Path(spec.submodule_search_locations[0]) / "trainer" / "config"
+    return [a.replace(VERL_CONFIG_PKG, f"file://{folder}") if a.startswith("hydra.searchpath=") else a for a in argv]
+
+
 @hydra.main(config_path=None, config_name=None, version_base=None)
 def main(config: DictConfig) -> None:
     from opd_patches.ops import lock
@@ -405,4 +423,5 @@ def main(config: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    sys.argv = searchpath_without_import(sys.argv)
     main()

@@ -96,8 +96,10 @@ class Pool:
         self.specs[name], self.costs[name] = make_spec, (weight, cost)
 
     def order(self, names) -> list[str]:
-        """Longest first (with a few job slots, that finishes the whole set soonest)."""
-        return sorted(set(names), key=lambda n: (-self.costs[n][1], n))
+        """Heaviest first (a run taking every slot starts only when all are free: at the start; queued
+        behind lighter runs it would wait for the last of them and run alone at the end), then longest
+        first (with a few job slots, that finishes the whole set soonest)."""
+        return sorted(set(names), key=lambda n: (-self.costs[n][0], -self.costs[n][1], n))
 
     def start(self, names: list[str], base: Path, ready: Callable[[], Any]) -> None:
         """Queue `names` (in this order) and start the scheduler thread."""

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from background import POOL, Spec, shared_run
-from flag_runs import wall_clock_run
+from flag_runs import bench_run_dir, bench_step_spec, wall_clock_run
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPES = ("k1", "topk", "topk_tail")
@@ -150,13 +150,24 @@ smoke_run = shared_run("smoke_run", smoke_cli(RECIPES), cost=3)  # every recipe,
 # The defaults' counterparts: upstream's sampled-token log-probs (k1) and top-k path (topk_tail).
 # k1 with the student's old-log-prob pass on (opd.skip_old_log_prob=false: rollout_corr/* logged), fast
 # log-probs off and on: the pair of test_sampled_logprob.py; k1/topk with the pass on are also the
-# counterparts of the default (pass skipped) in test_skip_old_log_prob.py.
+# counterparts of the default (pass skipped) in test_skip_old_log_prob.py. Those with fast log-probs on
+# are the two trainings of the bench's step phase (test_bench.py), run with the pass on for this.
 k1_fast_logprobs_off = shared_run("k1_fast_logprobs_off", smoke_cli(["k1"], "opd.fast_logprobs=false",
                                                                     "opd.skip_old_log_prob=false"))
-k1_skip_off = shared_run("k1_skip_off", smoke_cli(["k1"], "opd.skip_old_log_prob=false"))
-topk_skip_off = shared_run("topk_skip_off", smoke_cli(["topk"], "opd.skip_old_log_prob=false"))
+bench_step_run = shared_run("bench_step_run", bench_step_spec, weight=2, cost=1.2)  # two trainings at once
 # topk_tail with the lean path off also carries the wall-clock stop of test_ops_e2e.py (flag_runs.py).
 topk_tail_lean_off = shared_run("topk_tail_lean_off", wall_clock_run("topk_tail", "opd.lean_topk=false"))
+
+
+@pytest.fixture(scope="session")
+def k1_skip_off(bench_step_run) -> Path:
+    """The run folder of k1 with the old-log-prob pass on (metrics.jsonl, run.log)."""
+    return bench_run_dir(bench_step_run, "k1")
+
+
+@pytest.fixture(scope="session")
+def topk_skip_off(bench_step_run) -> Path:
+    return bench_run_dir(bench_step_run, "topk")
 
 
 @pytest.fixture(scope="session")

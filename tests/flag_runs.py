@@ -38,3 +38,27 @@ def run_pair(off: Path, on: Path) -> dict:
         rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
         runs[value] = (rows, log)
     return runs
+
+
+def bench_step_spec(base: Path) -> Spec:
+    """`make bench PHASE=step RECIPE="k1 topk" GPUS="0 1"` at SIZE=cpu (test_bench.py): two real run.sh
+    trainings at once, two steps each, after an earlier recipe's result was merged into the same file.
+    They run with the student's old-log-prob pass on (opd.skip_old_log_prob=false): the k1 and topk
+    counterparts of the smoke run (pass skipped, test_skip_old_log_prob.py), and k1 with fast log-probs
+    on beside k1_fast_logprobs_off (test_sampled_logprob.py). At SIZE=cpu the bench runs the embedded
+    models with the smoke overlay, as the smoke run does; its runs are <base>/work/<recipe>/run_<recipe>/."""
+    from opd_patches.bench import results
+
+    def prepare(base):
+        earlier = {"steps": [], "rollout": "hf", "steps_done": 0, "steps_requested": 1}
+        results.merge(base / "bench.json", "step", {"size": "cpu", "recipes": {"topk_tail": earlier}})
+
+    return Spec(argv=[sys.executable, "-m", "opd_patches.bench", "--phase", "step", "--size", "cpu",
+                      "--out", str(base / "bench.json"), "--recipe", "k1", "topk", "--gpus", "0", "1", "--steps", "2",
+                      "--override", "opd.skip_old_log_prob=false", "--rollout", "hf", "--workdir", str(base / "work"),
+                      "--timeout", "600"],
+                timeout=900, prepare=prepare)
+
+
+def bench_run_dir(bench_step_run, recipe: str) -> Path:
+    return bench_step_run.out / "work" / recipe / f"run_{recipe}"

@@ -6,8 +6,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from omegaconf import OmegaConf
 
-from background import Spec, shared_run
 from opd_patches.bench import results
 from opd_patches.bench.run import PHASES
 
@@ -100,37 +100,25 @@ def test_layout_phase_packed_and_padded_compute_the_batched_function():
         assert r["time_s"] > 0 and r["hidden_max_abs_diff"] < 1e-4
 
 
-def _step_phase_spec(base):
-    """`make bench PHASE=step RECIPE="k1 topk" GPUS="0 1"` at SIZE=cpu, one step each, after an earlier
-    recipe's result was merged into the same file (a shared run, tests/background.py: two trainings)."""
-    def prepare(base):
-        earlier = {"steps": [], "rollout": "hf", "steps_done": 0, "steps_requested": 1}
-        results.merge(base / "bench.json", "step", {"size": "cpu", "recipes": {"topk_tail": earlier}})
-
-    return Spec(argv=[sys.executable, "-m", "opd_patches.bench", "--phase", "step", "--size", "cpu",
-                      "--out", str(base / "bench.json"), "--recipe", "k1", "topk", "--gpus", "0", "1", "--steps", "1",
-                      "--rollout", "hf", "--workdir", str(base / "work"), "--timeout", "600"],
-                timeout=900, prepare=prepare)
-
-
-bench_step_run = shared_run("bench_step_run", _step_phase_spec, weight=2, cost=1.0)
-
-
 @pytest.mark.slow
 def test_step_phase_runs_two_recipes_at_once_and_reads_verl_timings(bench_step_run):
-    """`make bench PHASE=step RECIPE="k1 topk" GPUS="0 1"` at SIZE=cpu: two real run.sh trainings at the
-    same time (own lock folders and model folders), one step each; the rows come from VERL's own
-    metrics.jsonl (timing_s/*), and every step is accounted for by its phases within the CPU's slack."""
+    """`make bench PHASE=step RECIPE="k1 topk" GPUS="0 1"` at SIZE=cpu (tests/conftest.py): two real run.sh
+    trainings at the same time (own lock folders and model folders), two steps each with the smoke overlay's
+    lengths, one save after step 1; the rows come from VERL's own metrics.jsonl (timing_s/*), and every step
+    is accounted for by its phases within the CPU's slack."""
     proc, tmp_path = bench_step_run, bench_step_run.out
     out = tmp_path / "bench.json"
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     entry = json.loads(out.read_text())["phases"]["step"]
     assert set(entry["recipes"]) == {"k1", "topk", "topk_tail"}  # the earlier recipe's result is kept
+    max_response = OmegaConf.load(REPO / "recipes" / "overlay" / "smoke.yaml").data.max_response_length
     for name, gpu in (("k1", "0"), ("topk", "1")):
         r = entry["recipes"][name]
-        assert r["returncode"] == 0 and r["steps_done"] == 1 and r["gpu"] == gpu, r
-        assert (tmp_path / "work" / name / f"run_{name}" / "metrics.jsonl").exists()
+        assert r["returncode"] == 0 and r["steps_done"] == 2 and r["gpu"] == gpu, r
+        run = tmp_path / "work" / name / f"run_{name}"
+        assert (run / "global_step_1").is_dir() and not (run / "global_step_2").exists()  # --save-after 1
+        assert all(s["response_length/max"] <= max_response for s in r["steps"]), r["steps"]
     rows = {r["name"]: r for r in entry["rows"]}
-    assert set(rows) == {"step/k1/hf/1", "step/topk/hf/1"}
+    assert set(rows) == {f"step/{name}/hf/{step}" for name in ("k1", "topk") for step in (1, 2)}
     for r in rows.values():
         assert r["timing_s/gen"] > 0 and r["timing_s/update_actor"] > 0 and r["ref_time_s"] <= r["time_s"] * 1.01

@@ -183,7 +183,7 @@ def test_recipe_key_reaches_the_workers_env(tmp_path):
 @pytest.fixture(scope="module")
 def logprob_run_pair(k1_skip_off, k1_fast_logprobs_off):
     # Both with the old-log-prob pass on: its rollout_corr/* metrics are the reference below.
-    return run_pair(k1_fast_logprobs_off.out / "k1", k1_skip_off.out / "k1")
+    return run_pair(k1_fast_logprobs_off.out / "k1", k1_skip_off)
 
 
 @pytest.mark.slow

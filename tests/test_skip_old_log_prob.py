@@ -273,8 +273,8 @@ def runs_off(k1_skip_off, topk_skip_off):
     """The shared runs of k1 and topk with the pass on (tests/conftest.py), metrics rows per recipe."""
     rows = {}
     for recipe, run in (("k1", k1_skip_off), ("topk", topk_skip_off)):
-        metrics = run.out / recipe / "metrics.jsonl"
-        assert metrics.exists(), run.log[-3000:]
+        metrics = run / "metrics.jsonl"
+        assert metrics.exists(), (run / "run.log").read_text(errors="replace")[-3000:]
         rows[recipe] = [json.loads(line)["data"] for line in metrics.read_text().splitlines()]
     return rows
 

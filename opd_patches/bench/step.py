@@ -13,8 +13,8 @@ time (launch to the end of step 1, minus step 1). One save, after step `--save-a
 and not at the end, so that the save's stall on training shows in a step that another follows
 (`timing_s/save_checkpoint`: what the trainer waited; the state's export, validation and hashing run in
 the background) while the host's disk holds one 1.5B state only. With `--rollout hf` responses are capped at 512
-tokens (HF decoding is ~25x slower than vLLM). `--size cpu` runs the tiny embedded models instead
-(a check of this phase on a CPU). Results merge into the bench JSON's `step` phase, per recipe.
+tokens at the full size (HF decoding is ~25x slower than vLLM). `--size cpu` runs the tiny embedded
+models with the smoke overlay's lengths instead (a check of this phase on a CPU). Results merge into the bench JSON's `step` phase, per recipe.
 """
 
 from __future__ import annotations
@@ -106,7 +106,7 @@ def run(recipe: str, steps: int, rollout: str, workdir: Path, overrides: list[st
         env.update(CUDA_VISIBLE_DEVICES=str(gpu), OPD_LOCK_DIR=str(workdir / "lock"))
     cmd = [str(REPO / "run.sh"), f"recipe={recipe}", f"trainer.total_training_steps={steps}",
            "trainer.resume_mode=disable", "opd.preflight=cheap"]
-    if rollout == "hf":
+    if rollout == "hf" and arch == "r1":  # the tiny embedded models keep the smoke overlay's length
         cmd.append("data.max_response_length=512")
     cmd += overrides
     print(f"[bench step] {recipe}: {' '.join(cmd)}  (log: {run_dir / 'run.log'})", flush=True)
