@@ -321,7 +321,8 @@ def describe(config: DictConfig) -> str:
 
 
 def prepare(config: DictConfig) -> Path:
-    """Everything main does before VERL starts; returns the run folder."""
+    """Everything main does between VERL's import and its start (paths are checked before: run()); returns
+    the run folder."""
     if "opd" not in config:
         raise ConfigError("The config has no `opd` section: start from a recipe in recipes/ (see recipes/README.md).")
     # The driver validates loss names and the platform too; run.sh's VERL_USE_EXTERNAL_MODULES already
@@ -330,7 +331,6 @@ def prepare(config: DictConfig) -> Path:
     apply_placement(config)
     apply_attention(config)
     apply_old_log_prob(config)
-    check_paths(config)
     apply_export(config)
     run_dir = Path(os.path.expanduser(config.trainer.default_local_dir)).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
