@@ -5,6 +5,7 @@ re-read it, then adapt or delete the patch. Do not loosen the assertions.
 """
 
 import inspect
+import json
 import subprocess
 import sys
 import textwrap
@@ -31,60 +32,92 @@ def test_dedupe_backend():
     assert dedupe_backend(None) is None
 
 
-@pytest.mark.fresh_process
-def test_torch_refuses_the_duplicate_and_accepts_it_patched(tmp_path):
-    """A real single-rank gloo group, with and without the patch, in fresh processes."""
-    code = textwrap.dedent(
-        f"""
-        import sys, torch.distributed as dist
-        if sys.argv[1] == "patched":
-            from opd_patches.backends import upstream_patches; upstream_patches.apply()
-        dist.init_process_group(backend="cpu:gloo,cpu:gloo", init_method="file://{tmp_path}/" + sys.argv[1],
-                                rank=0, world_size=1)
-        dist.all_reduce(__import__("torch").ones(1)); print("ok")
-        if sys.argv[1] == "patched":  # upstream's own call forms pass through: positional, and no backend
-            dist.destroy_process_group()
-            dist.init_process_group("gloo", init_method="file://{tmp_path}/positional", rank=0, world_size=1)
-            dist.destroy_process_group()
-            dist.init_process_group(init_method="file://{tmp_path}/default", rank=0, world_size=1)
-            dist.all_reduce(__import__("torch").ones(1)); print("ok")
-        """
-    )
-    plain = subprocess.run([sys.executable, "-c", code, "plain"], capture_output=True, text=True, timeout=600)
-    patched = subprocess.run([sys.executable, "-c", code, "patched"], capture_output=True, text=True, timeout=600)
-    assert plain.returncode != 0 and "Duplicate device type cpu" in plain.stderr
-    assert patched.returncode == 0 and patched.stdout.split() == ["ok", "ok"], patched.stderr
+# One fresh process for both patches of torch.distributed.init_process_group (a real gloo group each time):
+# every case without the patch first, then `upstream_patches.apply()` (it imports VERL), then every case
+# with it. A failed init leaves no group behind, so the cases can follow each other. Prints one JSON line
+# per case: {"case", "out" (what the case printed), "error" (the exception's text, if any)}.
+_INIT_CASES = textwrap.dedent(
+    """
+    import contextlib, io, json, os, socket, sys, torch, torch.distributed as dist
+    store = sys.argv[1]
+
+    def case(name, fn):
+        out, error = io.StringIO(), None
+        with contextlib.redirect_stdout(out):
+            try:
+                fn()
+            except Exception as exc:  # torch's error, reported to the test
+                error = f"{type(exc).__name__}: {exc}"
+            finally:
+                if dist.is_initialized():
+                    dist.destroy_process_group()
+        print(json.dumps({"case": name, "out": out.getvalue(), "error": error}), flush=True)
+
+    def duplicate(tag):
+        def fn():
+            dist.init_process_group(backend="cpu:gloo,cpu:gloo", init_method=f"file://{store}/{tag}", rank=0,
+                                    world_size=1)
+            dist.all_reduce(torch.ones(1))
+        return fn
+
+    def other_forms():  # upstream's own call forms pass through: positional, and no backend
+        dist.init_process_group("gloo", init_method=f"file://{store}/positional", rank=0, world_size=1)
+        dist.destroy_process_group()
+        dist.init_process_group(init_method=f"file://{store}/default", rank=0, world_size=1)
+        dist.all_reduce(torch.ones(1))
+
+    def taken_port(world):  # VERL's env:// rendezvous on a port another socket holds
+        def fn():
+            held = socket.socket(); held.bind(("127.0.0.1", 0)); held.listen()
+            port = str(held.getsockname()[1])
+            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK="0", WORLD_SIZE=str(world))
+            try:
+                dist.init_process_group(backend="gloo", world_size=world, rank=0)
+                dist.all_reduce(torch.ones(1))
+                print("moved" if os.environ["MASTER_PORT"] != port else "same")
+            finally:
+                held.close()
+        return fn
+
+    case("plain duplicate", duplicate("plain"))
+    case("plain taken port, 1 rank", taken_port(1))
+    from opd_patches.backends import upstream_patches
+    upstream_patches.apply()
+    case("patched duplicate", duplicate("patched"))
+    case("patched other forms", other_forms)
+    case("patched taken port, 1 rank", taken_port(1))
+    case("patched taken port, 2 ranks", taken_port(2))
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def init_cases(tmp_path_factory):
+    store = tmp_path_factory.mktemp("init_store")
+    proc = subprocess.run([sys.executable, "-c", _INIT_CASES, str(store)], capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return {row["case"]: row for row in map(json.loads, proc.stdout.splitlines())}
 
 
 @pytest.mark.fresh_process
-def test_a_taken_master_port_is_retried_for_one_rank_only():
+def test_torch_refuses_the_duplicate_and_accepts_it_patched(init_cases):
+    """A real single-rank gloo group, with and without the patch."""
+    assert "Duplicate device type cpu" in (init_cases["plain duplicate"]["error"] or ""), init_cases
+    for name in ("patched duplicate", "patched other forms"):
+        assert init_cases[name]["error"] is None, init_cases[name]
+
+
+@pytest.mark.fresh_process
+def test_a_taken_master_port_is_retried_for_one_rank_only(init_cases):
     """VERL picks MASTER_PORT seconds before torch listens on it; another process can take it meanwhile
     (a CI run failed on EADDRINUSE). Single rank: retried on a fresh port; several ranks: torch's error."""
-    code = textwrap.dedent(
-        """
-        import os, socket, sys, torch.distributed as dist
-        held = socket.socket(); held.bind(("127.0.0.1", 0)); held.listen()
-        port = str(held.getsockname()[1])
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK="0", WORLD_SIZE=sys.argv[2])
-        if sys.argv[1] == "patched":
-            from opd_patches.backends import upstream_patches; upstream_patches.apply()
-        try:
-            dist.init_process_group(backend="gloo", world_size=int(sys.argv[2]), rank=0)
-        except dist.DistNetworkError as exc:
-            print("EADDRINUSE" if "EADDRINUSE" in str(exc) else str(exc)); sys.exit(3)
-        dist.all_reduce(__import__("torch").ones(1))
-        print("ok", os.environ["MASTER_PORT"] != port)
-        """
-    )
-
-    def run(mode, world):
-        return subprocess.run([sys.executable, "-c", code, mode, world], capture_output=True, text=True, timeout=300)
-
-    plain, patched, two = run("plain", "1"), run("patched", "1"), run("patched", "2")
-    assert plain.returncode == 3 and plain.stdout.split() == ["EADDRINUSE"], plain.stderr[-2000:]
-    assert patched.returncode == 0 and patched.stdout.split()[-2:] == ["ok", "True"], patched.stderr[-2000:]
-    assert "MASTER_PORT" in patched.stdout and "retrying on" in patched.stdout
-    assert two.returncode == 3 and two.stdout.split() == ["EADDRINUSE"], two.stderr[-2000:]
+    for name in ("plain taken port, 1 rank", "patched taken port, 2 ranks"):
+        row = init_cases[name]
+        assert row["error"] and row["error"].startswith("DistNetworkError") and "EADDRINUSE" in row["error"], row
+    row = init_cases["patched taken port, 1 rank"]
+    assert row["error"] is None and row["out"].split()[-1] == "moved", row
+    assert "MASTER_PORT" in row["out"] and "retrying on" in row["out"], row
 
 
 def _teacher(name):
