@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from background import POOL, Spec, shared_run
-from flag_runs import bench_run_dir, bench_step_spec, wall_clock_run
+from flag_runs import UPSTREAM_PATHS, bench_run_dir, bench_step_spec, wall_clock_run
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPES = ("k1", "topk", "topk_tail")
@@ -147,16 +147,12 @@ def smoke_cli(recipes, *overrides, timeout=600):
 # Each folder keeps <recipe>/{metrics.jsonl, run.log, manifest.json, global_step_N/...}; a new check
 # of these runs requests the fixture (see tests/background.py).
 smoke_run = shared_run("smoke_run", smoke_cli(RECIPES), cost=3)  # every recipe, colocated teacher
-# The defaults' counterparts: upstream's sampled-token log-probs (k1) and top-k path (topk_tail).
-# k1 with the student's old-log-prob pass on (opd.skip_old_log_prob=false: rollout_corr/* logged), fast
-# log-probs off and on: the pair of test_sampled_logprob.py; k1/topk with the pass on are also the
-# counterparts of the default (pass skipped) in test_skip_old_log_prob.py. Those with fast log-probs on
-# are the two trainings of the bench's step phase (test_bench.py), run with the pass on for this.
-k1_fast_logprobs_off = shared_run("k1_fast_logprobs_off", smoke_cli(["k1"], "opd.fast_logprobs=false",
-                                                                    "opd.skip_old_log_prob=false"))
+# The defaults' counterparts (tests/flag_runs.py). The bench's step phase trains k1 and topk_tail with the
+# student's old-log-prob pass on (the default skips it: test_skip_old_log_prob.py); topk_tail with every
+# fast path off as well is `upstream_paths` (test_lean_topk.py, test_sampled_logprob.py), which also
+# carries the wall-clock stop of test_ops_e2e.py.
 bench_step_run = shared_run("bench_step_run", bench_step_spec, weight=2, cost=1.2)  # two trainings at once
-# topk_tail with the lean path off also carries the wall-clock stop of test_ops_e2e.py (flag_runs.py).
-topk_tail_lean_off = shared_run("topk_tail_lean_off", wall_clock_run("topk_tail", "opd.lean_topk=false"))
+upstream_paths = shared_run("upstream_paths", wall_clock_run("topk_tail", *UPSTREAM_PATHS))
 
 
 @pytest.fixture(scope="session")
@@ -166,8 +162,9 @@ def k1_skip_off(bench_step_run) -> Path:
 
 
 @pytest.fixture(scope="session")
-def topk_skip_off(bench_step_run) -> Path:
-    return bench_run_dir(bench_step_run, "topk")
+def topk_tail_skip_off(bench_step_run) -> Path:
+    """topk_tail with the pass on, every other fast path on (the default)."""
+    return bench_run_dir(bench_step_run, "topk_tail")
 
 
 @pytest.fixture(scope="session")

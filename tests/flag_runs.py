@@ -1,6 +1,14 @@
-"""The real 2-step CPU smoke run of a recipe (VERL trainer, tiny models) with a recipe switch off and on:
-what the end-to-end tests of a patched path compare (test_lean_topk.py, test_sampled_logprob.py). The
-switch's default (on) is the shared smoke run; the off run is a shared run of its own (tests/conftest.py)."""
+"""Shared end-to-end runs (tests/conftest.py) that the tests of a patched path compare, each a real CPU run
+of the VERL trainer on the tiny models:
+
+- the bench's step phase (k1 and topk_tail at once, two steps each, the student's old-log-prob pass on);
+- `upstream_paths`: topk_tail with the three switches of the training maths at upstream's own computation
+  (UPSTREAM_PATHS: its sampled-token log-probs, its top-k loss, its old-log-prob pass), stopped by the
+  wall clock.
+
+The upstream run's step 1 and the bench's topk_tail step 1 see the same rollout and teacher, so the fast paths must give
+the same metrics (test_lean_topk.py for the top-k loss, test_sampled_logprob.py for the log-probs); the
+pass alone is compared tightly, bench against the smoke run (test_skip_old_log_prob.py)."""
 
 import json
 import sys
@@ -15,6 +23,8 @@ REPO = Path(__file__).resolve().parents[1]
 # before step 1). A smoke step takes 10-30 s here and the first save is predicted as long as a step, so
 # the run stops after one to a few steps, once 1.5 x (step + save) no longer fits.
 WALL_S = 45
+# The switches of the training maths whose off value is upstream's own computation (recipes/base.yaml).
+UPSTREAM_PATHS = ("opd.fast_logprobs=false", "opd.lean_topk=false", "opd.skip_old_log_prob=false")
 
 
 def wall_clock_run(recipe: str, *overrides: str):
@@ -41,20 +51,21 @@ def run_pair(off: Path, on: Path) -> dict:
 
 
 def bench_step_spec(base: Path) -> Spec:
-    """`make bench PHASE=step RECIPE="k1 topk" GPUS="0 1"` at SIZE=cpu (test_bench.py): two real run.sh
+    """`make bench PHASE=step RECIPE="k1 topk_tail" GPUS="0 1"` at SIZE=cpu (test_bench.py): two real run.sh
     trainings at once, two steps each, after an earlier recipe's result was merged into the same file.
-    They run with the student's old-log-prob pass on (opd.skip_old_log_prob=false): the k1 and topk
-    counterparts of the smoke run (pass skipped, test_skip_old_log_prob.py), and k1 with fast log-probs
-    on beside k1_fast_logprobs_off (test_sampled_logprob.py). At SIZE=cpu the bench runs the embedded
-    models with the smoke overlay, as the smoke run does; its runs are <base>/work/<recipe>/run_<recipe>/."""
+    They run with the student's old-log-prob pass on (opd.skip_old_log_prob=false): the k1 and topk_tail
+    counterparts of the smoke run (pass skipped, test_skip_old_log_prob.py), and topk_tail with the fast
+    paths on beside `upstream_paths` (test_lean_topk.py, test_sampled_logprob.py). At SIZE=cpu the bench
+    runs the embedded models with the smoke overlay, as the smoke run does; its runs are
+    <base>/work/<recipe>/run_<recipe>/."""
     from opd_patches.bench import results
 
     def prepare(base):
         earlier = {"steps": [], "rollout": "hf", "steps_done": 0, "steps_requested": 1}
-        results.merge(base / "bench.json", "step", {"size": "cpu", "recipes": {"topk_tail": earlier}})
+        results.merge(base / "bench.json", "step", {"size": "cpu", "recipes": {"topk": earlier}})
 
     return Spec(argv=[sys.executable, "-m", "opd_patches.bench", "--phase", "step", "--size", "cpu",
-                      "--out", str(base / "bench.json"), "--recipe", "k1", "topk", "--gpus", "0", "1", "--steps", "2",
+                      "--out", str(base / "bench.json"), "--recipe", "k1", "topk_tail", "--gpus", "0", "1", "--steps", "2",
                       "--override", "opd.skip_old_log_prob=false", "--rollout", "hf", "--workdir", str(base / "work"),
                       "--timeout", "600"],
                 timeout=900, prepare=prepare)

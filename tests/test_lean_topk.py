@@ -213,10 +213,11 @@ def test_topk_outputs_matches_upstream_keys_and_shapes():
 
 
 @pytest.fixture(scope="module")
-def lean_run_pair(smoke, topk_tail_lean_off):
-    """The real CPU run of `topk_tail` (tiny models) with the lean path off (stopped by the wall clock
-    after a step or more, tests/flag_runs.py) and on (the 2-step smoke run); step 1 is compared."""
-    return run_pair(topk_tail_lean_off.out, smoke[1] / "topk_tail")
+def lean_run_pair(upstream_paths, topk_tail_skip_off):
+    """The real CPU runs of `topk_tail` (tiny models, tests/flag_runs.py) on upstream's paths (the lean path
+    and fast log-probs off, stopped by the wall clock after a step or more) and on the default paths (the
+    bench's 2-step run), both with the old-log-prob pass on; step 1 is compared."""
+    return run_pair(upstream_paths.out, topk_tail_skip_off)
 
 
 def check_run_pair(runs):

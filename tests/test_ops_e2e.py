@@ -16,8 +16,8 @@ killed and resumed, shared by the tests below (one shared run of the background 
   nothing of step 5 saved);
 - wall clock: WALL_CLOCK=WALL_S RESERVE=0 with 500 steps requested, the clock counted from the first step
   (test-only key; the launch anchor is tests/test_ops_budget_guard.py's) -> stops on its own at a step
-  boundary with a validated complete export, exit 0. That run is topk_tail with the lean path off
-  (tests/flag_runs.py), shared with test_lean_topk.py.
+  boundary with a validated complete export, exit 0. That run is topk_tail on upstream's paths
+  (tests/flag_runs.py `upstream_paths`), shared with test_lean_topk.py and test_sampled_logprob.py.
 """
 
 import json
@@ -201,10 +201,10 @@ def test_resumed_losses_equal_to_1e_6(resumed):
             assert got[step][key] == pytest.approx(want[step][key], rel=1e-6, abs=1e-12), (step, key)
 
 
-def test_wall_clock_stops_with_a_validated_export(topk_tail_lean_off):
-    """The wall-clock stop, on the shared run of tests/conftest.py that also serves test_lean_topk.py
-    (whose comparison reads its step 1 only)."""
-    run, code, text = topk_tail_lean_off.out, topk_tail_lean_off.returncode, topk_tail_lean_off.log
+def test_wall_clock_stops_with_a_validated_export(upstream_paths):
+    """The wall-clock stop, on the shared run of tests/conftest.py that also serves test_lean_topk.py and
+    test_sampled_logprob.py (whose comparisons read its step 1 only)."""
+    run, code, text = upstream_paths.out, upstream_paths.returncode, upstream_paths.log
     assert code == 0, text[-3000:]
     s = summary.read(run)
     assert s["status"] == "wall_clock" and 1 <= s["steps_done"] < 500, s

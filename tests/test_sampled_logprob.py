@@ -1,8 +1,8 @@
 """The chunked exact sampled-token log-prob (opd_patches/losses/sampled_logprob.py) against its references.
 
 References: log_softmax + gather in fp32 and in fp64 of the same logits (values and gradients through
-autograd), upstream's `logprobs_from_logits_v2` (the fallback the patch replaces) and, end to end, a
-2-step CPU smoke run of the real VERL trainer with the patch on and off.
+autograd), upstream's `logprobs_from_logits_v2` (the fallback the patch replaces) and, end to end, the
+real VERL trainer on the CPU with the patch on and off (tests/flag_runs.py).
 """
 
 import json
@@ -181,9 +181,9 @@ def test_recipe_key_reaches_the_workers_env(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def logprob_run_pair(k1_skip_off, k1_fast_logprobs_off):
-    # Both with the old-log-prob pass on: its rollout_corr/* metrics are the reference below.
-    return run_pair(k1_fast_logprobs_off.out / "k1", k1_skip_off)
+def logprob_run_pair(topk_tail_skip_off, upstream_paths):
+    # topk_tail, both with the old-log-prob pass on: its rollout_corr/* metrics are the reference below.
+    return run_pair(upstream_paths.out, topk_tail_skip_off)
 
 
 @pytest.mark.slow
@@ -193,7 +193,9 @@ def test_end_to_end_patched_path_matches_upstream(logprob_run_pair):
     VERL logs how far the actor's old_log_prob is from the rollout's own (fp32) log-probs of the same
     tokens (rollout_corr/*): an independent reference. The actor's CPU autocast makes upstream's v2
     round log-probs to bf16 (measured here: |training - rollout| log-ppl 5e-3); the kernel's fp32 must
-    sit much closer. Loss and gradient norm agree up to that bf16 rounding."""
+    sit much closer. The runs' losses and gradient norms (the top-k loss reads the logits, not these
+    log-probs; the off run also has the lean path off) are test_lean_topk.py's comparison of the same
+    pair; the gradient through the kernel is checked against autograd above."""
     (off_rows, off_log), (on_rows, on_log) = logprob_run_pair["false"], logprob_run_pair["true"]
     marker = "sampled-token log-probs: chunked exact kernel"
     assert marker in on_log and marker not in off_log
@@ -202,10 +204,6 @@ def test_end_to_end_patched_path_matches_upstream(logprob_run_pair):
     assert on["rollout_corr/rollout_log_ppl"] == pytest.approx(off["rollout_corr/rollout_log_ppl"], abs=1e-5)
     assert on["rollout_corr/log_ppl_abs_diff"] < 1e-3
     assert on["rollout_corr/log_ppl_abs_diff"] <= off["rollout_corr/log_ppl_abs_diff"]
-    assert on["actor/grad_norm"] == pytest.approx(off["actor/grad_norm"], rel=2e-2)
-    # k1 loss = mean(student - teacher log-prob) ~ 0.06, a difference of two ~ -6 log-probs: bf16 steps there
-    # are 2^-5, so upstream's value carries an error of a few 1e-3 (the training/rollout gap above).
-    assert on["actor/distillation/loss"] == pytest.approx(off["actor/distillation/loss"], abs=1e-2)
 
 
 @pytest.mark.fresh_process

@@ -269,10 +269,10 @@ def test_entropy_detached_in_a_fresh_process():
 
 
 @pytest.fixture(scope="module")
-def runs_off(k1_skip_off, topk_skip_off):
+def runs_off(k1_skip_off, topk_tail_skip_off):
     """The shared runs of k1 and topk with the pass on (tests/conftest.py), metrics rows per recipe."""
     rows = {}
-    for recipe, run in (("k1", k1_skip_off), ("topk", topk_skip_off)):
+    for recipe, run in (("k1", k1_skip_off), ("topk_tail", topk_tail_skip_off)):
         metrics = run / "metrics.jsonl"
         assert metrics.exists(), (run / "run.log").read_text(errors="replace")[-3000:]
         rows[recipe] = [json.loads(line)["data"] for line in metrics.read_text().splitlines()]
@@ -280,11 +280,11 @@ def runs_off(k1_skip_off, topk_skip_off):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("recipe", ["k1", "topk"])
+@pytest.mark.parametrize("recipe", ["k1", "topk_tail"])
 def test_end_to_end_same_losses_and_grad_norms(smoke, runs_off, recipe):
     proc, out = smoke
     run_dir = out / recipe
-    assert "[opd] old log-probs: " + {"k1": olp.FROM_UPDATE, "topk": olp.SKIP}[recipe] in (run_dir / "run.log").read_text()
+    assert "[opd] old log-probs: " + {"k1": olp.FROM_UPDATE, "topk_tail": olp.SKIP}[recipe] in (run_dir / "run.log").read_text()
     on = [json.loads(line)["data"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     off = runs_off[recipe]
     assert len(on) == len(off) == 2
