@@ -297,10 +297,12 @@ def build(out: Path) -> dict[str, Path]:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True, help="output directory")
-    from transformers.utils import logging as hf_logging
+    out = parser.parse_args(argv).out
+    if not is_complete(out):  # run.sh asks before every launch: the usual answer needs no transformers
+        from transformers.utils import logging as hf_logging
 
-    hf_logging.disable_progress_bar()  # keep CLI output to one line per asset
-    build(parser.parse_args(argv).out)
+        hf_logging.disable_progress_bar()  # keep CLI output to one line per asset
+    build(out)
 
 
 if __name__ == "__main__":
