@@ -31,23 +31,22 @@ def test_phase_registry_names_the_three_phases_or_explains():
     assert proc.returncode != 0 and "PHASES" in proc.stderr
 
 
-@pytest.mark.fresh_process
-def test_kernels_phase_at_cpu_size_writes_valid_json(tmp_path):
+def test_kernels_phase_at_cpu_size_writes_valid_json(tmp_path, capsys):
+    """`python -m opd_patches.bench` is `run.main` (its command line: the phase-registry test above)."""
+    from opd_patches.bench import run
+
     out = tmp_path / "bench.json"
     results.merge(out, "teacher", {"size": "cpu", "rows": []})
-    proc = subprocess.run(
-        [sys.executable, "-m", "opd_patches.bench", "--phase", "kernels", "--size", "cpu", "--out", str(out),
-         "--no-model", "--variants", "k1_pg", "topk_default", "lean_topk_tail"],
-        cwd=REPO, capture_output=True, text=True, timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert run.main(["--phase", "kernels", "--size", "cpu", "--out", str(out), "--no-model", "--variants", "k1_pg",
+                     "topk_default", "lean_topk_tail"]) == 0
+    stdout = capsys.readouterr().out
     doc = json.loads(out.read_text())
     assert set(doc["phases"]) == {"teacher", "kernels"}
     rows = doc["phases"]["kernels"]["rows"]
     assert [r["name"] for r in rows] == ["loss/k1_pg", "loss/topk_default", "loss/lean_topk_tail"]
     for r in rows:
         assert r["time_s"] > 0 and r["ref_time_s"] > 0 and r["ratio"] > 0 and r["peak_gib"] is None
-    assert "loss/lean_topk_tail" in proc.stdout and "ratio" in proc.stdout
+    assert "loss/lean_topk_tail" in stdout and "ratio" in stdout
 
 
 @pytest.mark.fresh_process
@@ -68,15 +67,13 @@ def test_save_phase_at_cpu_size_restores_and_builds_the_export(tmp_path):
     assert not any((tmp_path / "work").glob("bench_save_*"))  # every state deleted after its row
 
 
-@pytest.mark.fresh_process
-def test_cpu_kernels_script_writes_json(tmp_path):
+def test_cpu_kernels_script_writes_json(tmp_path, capsys):
+    from opd_patches.bench import cpu_kernels
+
     out = tmp_path / "cpu.json"
-    proc = subprocess.run(
-        [sys.executable, "-m", "opd_patches.bench.cpu_kernels", "--out", str(out), "--tokens", "64",
-         "--vocab", "512", "--repeats", "1", "--variants", "topk_tail", "lean_topk_tail"],
-        cwd=REPO, capture_output=True, text=True, timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert cpu_kernels.main(["--out", str(out), "--tokens", "64", "--vocab", "512", "--repeats", "1", "--variants",
+                             "topk_tail", "lean_topk_tail"]) == 0
+    assert f"[bench] wrote {out}" in capsys.readouterr().out
     doc = json.loads(out.read_text())
     assert doc["config"]["vocab"] == 512 and len(doc["rows"]) == 2 and doc["rows"][1]["ratio"] > 0
 
