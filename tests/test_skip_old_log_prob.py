@@ -6,8 +6,9 @@
    the same loss and gradients as k1 with upstream's old-log-prob pass, on one and on several
    micro-batches; the update's entropy metric equals the pass's `actor/entropy`.
 3. The guard of the patch: the upstream names it wraps still exist and have the shape it assumes.
-4. End to end (slow): the real 2-step CPU trainer, k1 and topk with the key on (the shared smoke run,
-   auto) and off: the same per-step losses and gradient norms, and the pass's time gone.
+4. End to end (slow): the real 2-step CPU trainer, k1 and topk_tail with the key on (the shared smoke run,
+   auto) and off (the bench's runs, tests/flag_runs.py): the same per-step losses and gradient norms, and the
+   pass's time gone.
 """
 
 import os
