@@ -266,6 +266,10 @@ def build(out: Path) -> dict[str, Path]:
         (out / MARKER).unlink(missing_ok=True)  # stale marker must not vouch for a partial swap
         for stale in out.glob(".tmp-*"):  # leftovers of crashed builds
             shutil.rmtree(stale, ignore_errors=True)
+        # Only a build imports transformers: run.sh asks before every launch, and "up to date" needs none.
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # keep the output to one line per asset
         tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=out))  # same filesystem -> atomic renames
         try:
             tokenizer = _train_tokenizer()
@@ -297,12 +301,7 @@ def build(out: Path) -> dict[str, Path]:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True, help="output directory")
-    out = parser.parse_args(argv).out
-    if not is_complete(out):  # run.sh asks before every launch: the usual answer needs no transformers
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.disable_progress_bar()  # keep CLI output to one line per asset
-    build(out)
+    build(parser.parse_args(argv).out)
 
 
 if __name__ == "__main__":
