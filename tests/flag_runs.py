@@ -25,6 +25,7 @@ REPO = Path(__file__).resolve().parents[1]
 WALL_S = 45
 # The switches of the training maths whose off value is upstream's own computation (recipes/base.yaml).
 UPSTREAM_PATHS = ("opd.fast_logprobs=false", "opd.lean_topk=false", "opd.skip_old_log_prob=false")
+BENCH_RECIPES = ("k1", "topk_tail")  # the bench step run's two trainings, on GPUs "0" and "1"
 
 
 def wall_clock_run(recipe: str, *overrides: str):
@@ -65,7 +66,7 @@ def bench_step_spec(base: Path) -> Spec:
         results.merge(base / "bench.json", "step", {"size": "cpu", "recipes": {"topk": earlier}})
 
     return Spec(argv=[sys.executable, "-m", "opd_patches.bench", "--phase", "step", "--size", "cpu",
-                      "--out", str(base / "bench.json"), "--recipe", "k1", "topk_tail", "--gpus", "0", "1", "--steps", "2",
+                      "--out", str(base / "bench.json"), "--recipe", *BENCH_RECIPES, "--gpus", "0", "1", "--steps", "2",
                       "--override", "opd.skip_old_log_prob=false", "--rollout", "hf", "--workdir", str(base / "work"),
                       "--timeout", "600"],
                 timeout=900, prepare=prepare)

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
+from flag_runs import BENCH_RECIPES
 from opd_patches.bench import results
 from opd_patches.bench.run import PHASES
 
@@ -109,13 +110,13 @@ def test_step_phase_runs_two_recipes_at_once_and_reads_verl_timings(bench_step_r
     entry = json.loads(out.read_text())["phases"]["step"]
     assert set(entry["recipes"]) == {"k1", "topk", "topk_tail"}  # the earlier recipe's result is kept
     max_response = OmegaConf.load(REPO / "recipes" / "overlay" / "smoke.yaml").data.max_response_length
-    for name, gpu in (("k1", "0"), ("topk_tail", "1")):
+    for name, gpu in zip(BENCH_RECIPES, ("0", "1"), strict=True):
         r = entry["recipes"][name]
         assert r["returncode"] == 0 and r["steps_done"] == 2 and r["gpu"] == gpu, r
         run = tmp_path / "work" / name / f"run_{name}"
         assert (run / "global_step_1").is_dir() and not (run / "global_step_2").exists()  # --save-after 1
         assert all(s["response_length/max"] <= max_response for s in r["steps"]), r["steps"]
     rows = {r["name"]: r for r in entry["rows"]}
-    assert set(rows) == {f"step/{name}/hf/{step}" for name in ("k1", "topk_tail") for step in (1, 2)}
+    assert set(rows) == {f"step/{name}/hf/{step}" for name in BENCH_RECIPES for step in (1, 2)}
     for r in rows.values():
         assert r["timing_s/gen"] > 0 and r["timing_s/update_actor"] > 0 and r["ref_time_s"] <= r["time_s"] * 1.01
