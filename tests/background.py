@@ -9,8 +9,8 @@ Attach a new end-to-end check to an existing run by requesting its fixture: test
 `smoke` (every recipe: `<out>/<recipe>/` keeps metrics.jsonl, run.log, manifest.json, global_step_N/ with
 receipts and HF exports), `upstream_paths` (topk_tail on upstream's paths, its folder as one of those) and
 `bench_step_run` (k1 and topk_tail, two steps each, the old-log-prob pass on: `k1_skip_off` /
-`topk_tail_skip_off` give their run folders); test modules declare their own (test_smoke.py `smoke_mixed`, test_colocated_scaleout.py,
-test_eval.py, test_study_e2e.py, test_ops_e2e.py). Declare a new run in a test module with
+`topk_tail_skip_off` give their run folders); test modules declare their own (test_smoke.py `smoke_mixed`,
+test_colocated_scaleout.py, test_eval.py, test_study_e2e.py, test_ops_e2e.py). Declare a new run in a test module with
 
     my_run = shared_run("my_run", lambda out: Spec(argv=[...]))         # a subprocess, log in out/run.log
     my_run = shared_run("my_run", lambda out: Spec(fn=callable_of_out))  # any orchestration, in a thread

@@ -6,9 +6,9 @@ of the VERL trainer on the tiny models:
   (UPSTREAM_PATHS: its sampled-token log-probs, its top-k loss, its old-log-prob pass), stopped by the
   wall clock.
 
-The upstream run's step 1 and the bench's topk_tail step 1 see the same rollout and teacher, so the fast paths must give
-the same metrics (test_lean_topk.py for the top-k loss, test_sampled_logprob.py for the log-probs); the
-pass alone is compared tightly, bench against the smoke run (test_skip_old_log_prob.py)."""
+The upstream run's step 1 and the bench's topk_tail step 1 see the same rollout and teacher, so the
+fast paths must give the same metrics (test_lean_topk.py for the top-k loss, test_sampled_logprob.py for
+the log-probs); the pass alone is compared tightly, bench against the smoke run (test_skip_old_log_prob.py)."""
 
 import json
 import sys

@@ -74,7 +74,7 @@ def hard_rows(logits, ids, t):
 @pytest.mark.parametrize("clamp", [None, -10.0])
 @pytest.mark.parametrize("with_tail", [False, True])
 def test_kernel_path_matches_torch_path_and_reference(k, dtype, clamp, with_tail, monkeypatch):
-    # rows > chunk (9) and no multiple of it; V spans 3-4 blocks, none a multiple of BLOCK
+    # k=4, 16: rows > chunk (9), no multiple of it; V spans 3-4 blocks of BLOCK, none a multiple of it
     t_len, v = {1: (7, 300), 4: (11, 389), 16: (13, 421)}[k]
     logits, ids, t, w = problem(t_len, v, k, seed=k, dtype=dtype)
     ids, t = hard_rows(logits, ids, t)

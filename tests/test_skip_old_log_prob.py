@@ -271,7 +271,7 @@ def test_entropy_detached_in_a_fresh_process():
 
 @pytest.fixture(scope="module")
 def runs_off(k1_skip_off, topk_tail_skip_off):
-    """The shared runs of k1 and topk with the pass on (tests/conftest.py), metrics rows per recipe."""
+    """The shared runs of k1 and topk_tail with the pass on (tests/conftest.py), metrics rows per recipe."""
     rows = {}
     for recipe, run in (("k1", k1_skip_off), ("topk_tail", topk_tail_skip_off)):
         metrics = run / "metrics.jsonl"
