@@ -3,6 +3,7 @@
 # make patch [BASE=ref] [PATCH_FILE=opd.patch] | patch-check [BASE=ref]   (the submission patch)
 # make data SRC=... [OUT=...] | data-eval EVAL_SETS=... | eval MODEL=... SUITE=math500|aime|embedded [OUT=...] | plot RUN=...   (data, evaluation)
 # make bench [PHASE=kernels|teacher|step|layout|save] [SIZE=full|cpu] [OUT=bench.json] | bench-cpu-kernels | bench-logprob   (performance)
+# make learn [SEEDS=N] [DEVICE=gpu] [OUT=outputs/learn]   (proof of learning: the known-answer task, every recipe)
 # make study SPEC=recipes/studies/....yaml [OUT=...] [STUDY_ARGS=...] | arms CONTROL=k1 TREATMENT=topk   (studies)
 # make wheelhouse PROFILE=gpu|cpu [DIR=...] [TORCH_FROM=...] | install WHEELHOUSE=DIR   (installs without network)
 # PROFILE=cpu|gpu picks the dependency set (default: gpu when nvidia-smi sees a GPU).
@@ -22,7 +23,7 @@ PY := $(VENV)/bin/python
 DEPS := $(VENV)/.installed-$(PROFILE)
 endif
 
-.PHONY: install smoke smoke-gpu test test-fast vendor-check vendor validate preflight patch patch-check data data-eval eval plot bench bench-cpu-kernels bench-logprob checkpoints study arms
+.PHONY: learn install smoke smoke-gpu test test-fast vendor-check vendor validate preflight patch patch-check data data-eval eval plot bench bench-cpu-kernels bench-logprob checkpoints study arms
 
 install: $(DEPS)
 	@$(PY) opd_patches/ops/patch.py record-base   # tags the commit you start from as opd-base, once
@@ -154,6 +155,15 @@ bench-logprob: $(DEPS)
 study: $(DEPS)
 	@test -n "$(SPEC)" || { echo "usage: make study SPEC=recipes/studies/<spec>.yaml [OUT=dir] [STUDY_ARGS=--dry-run]"; exit 2; }
 	$(PY) -m opd_patches.study $(SPEC) $(if $(OUT),--out $(OUT)) $(if $(filter 1,$(FORCE)),--force) $(STUDY_ARGS)
+
+# Proof of learning (recipes/studies/learn.yaml): builds the known-answer task once (.cache/addition, a few
+# minutes), trains k1, topk and topk_tail from its student, evaluates student, teacher and the exports, and
+# prints the table of outputs/learn/summary.json. SEEDS=N: seeds 1..N per arm. DEVICE=gpu: topk on the vLLM
+# rollout, its last export evaluated by vLLM (recipes/studies/learn-gpu.yaml, into outputs/learn-gpu).
+LEARN_SPEC = $(if $(filter gpu,$(DEVICE)),learn-gpu,learn)
+learn: $(DEPS)
+	$(PY) -m opd_patches.embedded --task addition --out .cache/addition
+	$(PY) -m opd_patches.study recipes/studies/$(LEARN_SPEC).yaml --out $(or $(OUT),outputs/$(LEARN_SPEC)) $(if $(SEEDS),--seeds $(SEEDS)) $(STUDY_ARGS)
 
 # Ablation arms: the knobs that differ between two recipes and the one-knob-at-a-time arms (no training).
 arms: $(DEPS)

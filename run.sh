@@ -6,10 +6,21 @@
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 
+# EMBEDDED brings its own models and prompts: a STUDENT, TEACHER or data file set beside it would be ignored.
+if [[ "${EMBEDDED:-0}" != 0 ]]; then
+  given=()
+  for v in STUDENT TEACHER TRAIN_FILES VAL_FILES; do if [[ -n "${!v:-}" ]]; then given+=("$v"); fi; done
+  if (( ${#given[@]} )); then
+    echo "run.sh: EMBEDDED=$EMBEDDED uses its built-in models and prompts, but ${given[*]} is also set and would be" \
+         "ignored: unset ${given[*]}, or leave EMBEDDED out to train on them" >&2
+    exit 2
+  fi
+fi
+
 # ---- defaults --------------------------------------------------------------------------------
 RECIPE=${RECIPE:-k1}
 DEVICE=${DEVICE:-auto}          # cpu | gpu (vLLM rollout) | gpu-hf (HF rollout on CUDA) | auto
-EMBEDDED=${EMBEDDED:-0}         # 1: tiny student, teacher and prompts built in code (make smoke)
+EMBEDDED=${EMBEDDED:-0}         # 1: tiny random student + teacher (make smoke); addition: the known-answer task (make learn)
 STUDENT=${STUDENT:-deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B}
 TEACHER=${TEACHER:-hbx/JustRL-DeepSeek-1.5B}
 TRAIN_FILES=${TRAIN_FILES:-$HOME/data/dapo-math/train.parquet}
@@ -49,11 +60,14 @@ fi
 [[ -f "$ROOT/recipes/device/$DEVICE.yaml" ]] || { echo "run.sh: DEVICE=$DEVICE: use cpu, gpu, gpu-hf or auto" >&2; exit 2; }
 if [[ "$DEVICE" == cpu ]]; then export VERL_PLATFORM=cpu; fi
 
-if [[ "$EMBEDDED" == 1 ]]; then
-  EMB="$ROOT/.cache/embedded"
-  "$PYTHON" -m opd_patches.embedded --out "$EMB"
-  STUDENT=$EMB/student TEACHER=$EMB/teacher TRAIN_FILES=$EMB/data/train.parquet VAL_FILES=$EMB/data/val.parquet
-fi
+case "$EMBEDDED" in
+  0|"") ;;
+  1|addition)
+    if [[ "$EMBEDDED" == 1 ]]; then EMB="$ROOT/.cache/embedded" TASK=default; else EMB="$ROOT/.cache/$EMBEDDED" TASK=$EMBEDDED; fi
+    "$PYTHON" -m opd_patches.embedded --task "$TASK" --out "$EMB"
+    STUDENT=$EMB/student TEACHER=$EMB/teacher TRAIN_FILES=$EMB/data/train.parquet VAL_FILES=$EMB/data/val.parquet ;;
+  *) echo "run.sh: EMBEDDED=$EMBEDDED: use 1 (tiny random models) or addition (the known-answer task)" >&2; exit 2 ;;
+esac
 
 export VERL_USE_EXTERNAL_MODULES=opd_patches.registered   # every process that imports verl registers our hooks
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"

@@ -6,6 +6,7 @@ Tokenizers are loaded by `load_tokenizers`, once per model path; the checks take
 """
 
 import os
+from functools import lru_cache
 from pathlib import Path
 
 
@@ -18,6 +19,7 @@ def _local(path: str) -> Path | None:
     return p if p.exists() else None
 
 
+@lru_cache(maxsize=8)  # the input checks and the pre-flight of one launch read the same tokenizers
 def load_tokenizer(path: str):
     """The tokenizer of a local model folder or a cached hub id; None if unreachable."""
     from transformers import AutoTokenizer

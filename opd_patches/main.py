@@ -22,6 +22,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 import opd_patches
 from opd_patches import manifest
+from opd_patches.inputs import InputError
 
 PLACEMENTS = ("standalone", "colocated")
 PREFLIGHT_MODES = ("off", "cheap", "full")
@@ -36,26 +37,49 @@ class ConfigError(ValueError):
     """A config value that cannot work; the message names the key and what to do."""
 
 
-def _is_local(path: str) -> bool:
-    # An HF hub id looks like "org/name"; anything else (absolute, ./, ~, or existing) is a local path.
-    return path.startswith(("/", ".", "~")) or os.path.exists(path) or path.count("/") != 1
+def _files(value) -> list[str]:
+    return [value] if isinstance(value, str) else list(value or [])
 
 
-def check_paths(config: DictConfig) -> None:
-    """Fail before Ray starts when a model or data path does not exist."""
-    checks = [("actor_rollout_ref.model.path", config.actor_rollout_ref.model.path)]
+def check_inputs(config: DictConfig) -> None:
+    """Models and data refused before Ray starts (opd_patches/inputs): each model a folder (or cached hub id)
+    with config, weights and a tokenizer with a chat template; each train/val parquet in VERL's RL schema,
+    every row checked, and the prompts VERL's length filter would drop counted with the student's tokenizer."""
+    from opd_patches import compat
+    from opd_patches.inputs.data import check_rl_parquet
+    from opd_patches.inputs.models import check_model
+
+    models = [("actor_rollout_ref.model.path", config.actor_rollout_ref.model.path)]
     for key, teacher in config.distillation.teacher_models.items():
-        checks.append((f"distillation.teacher_models.{key}.model_path", teacher.model_path))
-    for key in ("train_files", "val_files"):
-        files = config.data.get(key)
-        for f in [files] if isinstance(files, str) else list(files or []):
-            checks.append((f"data.{key}", f))
-    for key, value in checks:
+        models.append((f"distillation.teacher_models.{key}.model_path", teacher.model_path))
+    for key, value in models:
         if value is None or value == "???":
             raise ConfigError(f"{key} is not set: pass it on the command line ({key}=...) or through run.sh.")
-        if key.startswith("data.") or _is_local(str(value)):
-            if not Path(os.path.expanduser(str(value))).exists():
-                raise ConfigError(f"{key}={value}: no such file or directory.")
+        check_model(value, key)
+    data = config.data
+    limit = data.get("max_prompt_length") if data.get("filter_overlong_prompts", True) else None
+    tokenizer = compat.load_tokenizer(str(config.actor_rollout_ref.model.path))
+    kwargs = data.get("apply_chat_template_kwargs") or {}
+    kwargs = OmegaConf.to_container(kwargs, resolve=True) if isinstance(kwargs, DictConfig) else dict(kwargs)
+    seen = set()
+    for key in ("train_files", "val_files"):
+        files = _files(data.get(key))
+        if not files:
+            raise ConfigError(f"data.{key} is not set: pass it on the command line (data.{key}=...) or through run.sh.")
+        for f in files:
+            path = os.path.expanduser(str(f))
+            if path in seen:
+                continue
+            seen.add(path)
+            started = time.time()
+            report = check_rl_parquet(path, f"data.{key}", tokenizer, limit, kwargs)
+            checked = "" if report["checked"] == report["rows"] else f" (first {report['checked']:,d} checked)"
+            dropped = ""
+            if report["too_long"]:
+                dropped = (f"; {report['too_long']:,d} prompts are longer than data.max_prompt_length={limit} tokens "
+                           "after the chat template: VERL drops them")
+            print(f"[opd] data.{key}: {path}: {report['rows']:,d} rows{checked} in VERL's schema{dropped} "
+                  f"({time.time() - started:.1f} s)", flush=True)
 
 
 def _root_cause(exc: BaseException) -> BaseException:
@@ -217,6 +241,25 @@ def apply_old_log_prob(config: DictConfig) -> None:
         raise ConfigError(str(exc)) from exc
 
 
+def apply_logging(config: DictConfig) -> None:
+    """`trainer.logger` always keeps VERL's `file` logger: metrics.jsonl in the run folder is what the run
+    summary, `make plot` and studies read, whatever else (tensorboard, wandb) a user turns on."""
+    loggers = config.trainer.get("logger")
+    loggers = [loggers] if isinstance(loggers, str) else list(loggers or [])
+    if "file" not in loggers:
+        print(f"[opd] trainer.logger={loggers}: `file` added (metrics.jsonl in the run folder)", flush=True)
+        with open_dict(config):
+            config.trainer.logger = [*loggers, "file"]
+
+
+def logger_env(run_dir: Path) -> dict:
+    """Where VERL's other loggers write, for every Ray process: tensorboard into <run>/tensorboard, W&B into
+    <run>/wandb and offline unless WANDB_MODE says otherwise (these machines need no account or network)."""
+    return {"TENSORBOARD_DIR": os.environ.get("TENSORBOARD_DIR") or str(run_dir / "tensorboard"),
+            "WANDB_DIR": os.environ.get("WANDB_DIR") or str(run_dir),
+            "WANDB_MODE": os.environ.get("WANDB_MODE") or "offline"}
+
+
 def configure_ray(config: DictConfig, run_dir: Path) -> None:
     """Environment for every Ray process; logical GPUs on the CPU platform."""
     modules = ["opd_patches.registered"]  # its import calls opd_patches.register()
@@ -227,6 +270,7 @@ def configure_ray(config: DictConfig, run_dir: Path) -> None:
     env = {
         "VERL_USE_EXTERNAL_MODULES": ",".join(modules),
         "VERL_FILE_LOGGER_PATH": str(run_dir / "metrics.jsonl"),
+        **logger_env(run_dir),
     }
     for var in ("VERL_PLATFORM", "VERL_ENGINE_DEVICE", "PYTHONPATH"):
         if os.environ.get(var):
@@ -332,6 +376,7 @@ def prepare(config: DictConfig) -> Path:
     apply_attention(config)
     apply_old_log_prob(config)
     apply_export(config)
+    apply_logging(config)
     run_dir = Path(os.path.expanduser(config.trainer.default_local_dir)).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     with open_dict(config):
@@ -366,7 +411,7 @@ def run(config: DictConfig) -> None:
     # Before prepare(): a refused run must not rotate the running one's files; before importing VERL: a
     # refusal or a mistyped path costs no import (~8 s of CPU on 2 cores).
     hold_run_lock(config)
-    check_paths(config)
+    check_inputs(config)
     from verl.trainer.main_ppo import TaskRunnerV1, run_ppo
     from verl.trainer.ppo.utils import need_critic, need_reference_policy
     from verl.utils.config import validate_config
@@ -416,6 +461,9 @@ def main(config: DictConfig) -> None:
         run(config)
     except ConfigError as exc:
         print(f"[opd] config error: {exc}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    except InputError as exc:  # a data file or model folder that cannot work (opd_patches/inputs)
+        print(f"[opd] refused: {exc}", file=sys.stderr, flush=True)
         sys.exit(2)
     except lock.BUSY as exc:  # another run or GPU process: exit 75 (try again later)
         print(f"[opd] refused: {exc}", file=sys.stderr, flush=True)

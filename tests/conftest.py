@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from background import POOL, Spec, shared_run
-from flag_runs import UPSTREAM_PATHS, bench_run_dir, bench_step_spec, wall_clock_run
+from flag_runs import LOGGERS, UPSTREAM_PATHS, bench_run_dir, bench_step_spec, wall_clock_run
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPES = ("k1", "topk", "topk_tail")
@@ -152,7 +152,9 @@ smoke_run = shared_run("smoke_run", smoke_cli(RECIPES), cost=3)  # every recipe,
 # fast path off as well is `upstream_paths` (test_lean_topk.py, test_sampled_logprob.py), which also
 # carries the wall-clock stop of test_ops_e2e.py.
 bench_step_run = shared_run("bench_step_run", bench_step_spec, weight=2, cost=1.2)  # two trainings at once
-upstream_paths = shared_run("upstream_paths", wall_clock_run("topk_tail", *UPSTREAM_PATHS))
+# Also the loggers users turn on: `file` must be added back, tensorboard and W&B (offline) write into the run
+# folder (tests/test_logging.py).
+upstream_paths = shared_run("upstream_paths", wall_clock_run("topk_tail", *UPSTREAM_PATHS, LOGGERS))
 
 
 @pytest.fixture(scope="session")

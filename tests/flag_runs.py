@@ -25,7 +25,8 @@ REPO = Path(__file__).resolve().parents[1]
 WALL_S = 45
 # The switches of the training maths whose off value is upstream's own computation (recipes/base.yaml).
 UPSTREAM_PATHS = ("opd.fast_logprobs=false", "opd.lean_topk=false", "opd.skip_old_log_prob=false")
-BENCH_RECIPES = ("k1", "topk_tail")  # the bench step run's two trainings, on GPUs "0" and "1"
+BENCH_RECIPES = ("k1", "topk_tail")
+LOGGERS = "trainer.logger=[console,tensorboard,wandb]"  # without `file`: opd_patches.main adds it back  # the bench step run's two trainings, on GPUs "0" and "1"
 
 
 def wall_clock_run(recipe: str, *overrides: str):

@@ -144,25 +144,28 @@ def test_colocated_placement_selects_the_colocated_teacher(recipe, tmp_path, mon
     assert ray_init.runtime_env.env_vars.VERL_USE_EXTERNAL_MODULES == "opd_patches.registered,opd_patches.teacher.trainer"
 
 
-def test_missing_paths_are_reported_by_key(tmp_path):
+def test_missing_inputs_are_reported_by_key(tmp_path, embedded):
+    """opd_patches.main.check_inputs names the key of a missing model or data file (the checks themselves:
+    tests/test_inputs.py)."""
+    from opd_patches.inputs import InputError
+
     c = compose_recipe("k1")
-    with pytest.raises(main.ConfigError, match=r"actor_rollout_ref\.model\.path=/models/student"):
-        main.check_paths(c)
-    for name in ("student", "teacher", "train.parquet", "val.parquet"):
-        (tmp_path / name).touch()
+    with pytest.raises(InputError, match=r"actor_rollout_ref\.model\.path=/models/student"):
+        main.check_inputs(c)
     c = compose_recipe(
         "k1",
-        f"actor_rollout_ref.model.path={tmp_path / 'student'}",
-        f"distillation.teacher_models.teacher_model.model_path={tmp_path / 'teacher'}",
-        f"data.train_files={tmp_path / 'train.parquet'}",
+        f"actor_rollout_ref.model.path={embedded['student']}",
+        f"distillation.teacher_models.teacher_model.model_path={embedded['teacher']}",
+        f"data.train_files={embedded['train']}",
         f"data.val_files={tmp_path / 'nope.parquet'}",
     )
-    with pytest.raises(main.ConfigError, match=r"data\.val_files=.*nope\.parquet"):
-        main.check_paths(c)
+    with pytest.raises(InputError, match=r"data\.val_files=.*nope\.parquet: no such file"):
+        main.check_inputs(c)
     with open_dict(c):
-        c.data.val_files = str(tmp_path / "val.parquet")
-    main.check_paths(c)
-    # A hub id ("org/name") is left to transformers to resolve.
+        c.data.val_files = str(embedded["val"])
+    main.check_inputs(c)
+    # A hub id ("org/name") must be in the local cache: these machines cannot download.
     with open_dict(c):
-        c.actor_rollout_ref.model.path = "deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B"
-    main.check_paths(c)
+        c.distillation.teacher_models.teacher_model.model_path = "nobody/not-cached"
+    with pytest.raises(InputError, match=r"teacher_model\.model_path=nobody/not-cached: .*local Hugging Face cache"):
+        main.check_inputs(c)

@@ -56,15 +56,32 @@ _DAPO_SUFFIX_RE = re.compile(r"\s*Remember to put your answer on its own line af
 
 def _read(path: Path) -> list[dict]:
     import pandas as pd
+    import pyarrow as pa
+
+    from opd_patches.inputs import InputError
 
     if not path.exists():
         raise FileNotFoundError(f"source {path} does not exist (SRC= takes .parquet, .jsonl or .json files)")
     if path.suffix == ".parquet":
-        return pd.read_parquet(path).to_dict("records")
+        try:
+            return pd.read_parquet(path).to_dict("records")
+        except (pa.ArrowInvalid, OSError) as exc:
+            raise InputError(f"source {path}: not a readable parquet file ({str(exc).splitlines()[0]}); "
+                             "a .jsonl or .json source is read as such") from None
     if path.suffix == ".jsonl":
-        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        rows = []
+        for i, line in enumerate(path.read_text().splitlines()):
+            if line.strip():
+                try:
+                    rows.append(json.loads(line))
+                except ValueError as exc:
+                    raise InputError(f"source {path}:{i + 1}: not a JSON object ({exc})") from None
+        return rows
     if path.suffix == ".json":
-        data = json.loads(path.read_text())
+        try:
+            data = json.loads(path.read_text())
+        except ValueError as exc:
+            raise InputError(f"source {path}: not valid JSON ({exc})") from None
         return data if isinstance(data, list) else data["data"]
     raise ValueError(f"source {path}: unknown format {path.suffix!r} (use .parquet, .jsonl or .json)")
 

@@ -153,39 +153,56 @@ def _save_tokenizer(tokenizer, path: Path) -> None:
     _patch_json(path / "tokenizer_config.json", tokenizer_class="Qwen2Tokenizer")
 
 
-def _save_model(tokenizer, seed: int, path: Path) -> None:
-    import torch
-    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+def model_config(tokenizer, dims: dict):
+    """A tied-embedding fp32 Qwen2Config of `dims` (PARAMS["model"]'s keys) over `tokenizer`'s vocabulary."""
+    from transformers import Qwen2Config
 
-    m = PARAMS["model"]
-    mult = m["vocab_multiple"]
-    ids = {  # Qwen2 convention: bos id = <|endoftext|>, though the tokenizer never prepends it
+    mult = dims["vocab_multiple"]
+    return Qwen2Config(
+        vocab_size=-(-len(tokenizer) // mult) * mult,
+        hidden_size=dims["hidden_size"],
+        intermediate_size=dims["intermediate_size"],
+        num_hidden_layers=dims["num_hidden_layers"],
+        num_attention_heads=dims["num_attention_heads"],
+        num_key_value_heads=dims["num_key_value_heads"],
+        max_position_embeddings=dims["max_position_embeddings"],
+        max_window_layers=dims["num_hidden_layers"],
+        tie_word_embeddings=True,
+        dtype="float32",
+        **_token_ids(tokenizer),
+    )
+
+
+def _token_ids(tokenizer) -> dict:
+    # Qwen2 convention: bos id = <|endoftext|>, though the tokenizer never prepends it
+    return {
         "bos_token_id": tokenizer.convert_tokens_to_ids(PAD),
         "eos_token_id": tokenizer.eos_token_id,
         "pad_token_id": tokenizer.pad_token_id,
     }
-    config = Qwen2Config(
-        vocab_size=-(-len(tokenizer) // mult) * mult,
-        hidden_size=m["hidden_size"],
-        intermediate_size=m["intermediate_size"],
-        num_hidden_layers=m["num_hidden_layers"],
-        num_attention_heads=m["num_attention_heads"],
-        num_key_value_heads=m["num_key_value_heads"],
-        max_position_embeddings=m["max_position_embeddings"],
-        max_window_layers=m["num_hidden_layers"],
-        tie_word_embeddings=True,
-        dtype="float32",
-        **ids,
-    )
-    # fork_rng: seed the init without disturbing the caller's global RNG state.
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = Qwen2ForCausalLM(config).to(torch.float32)
-    model.generation_config = GenerationConfig(**ids)
+
+
+def save_model(model, tokenizer, path: Path) -> None:
+    """`model` (fp32) as a loadable HF folder with the tokenizer and a generation config."""
+    from transformers import GenerationConfig
+
+    model.generation_config = GenerationConfig(**_token_ids(tokenizer))
     model.save_pretrained(path, safe_serialization=True)
     # transformers 5 writes only "dtype"; readers built on transformers 4 look for "torch_dtype".
     _patch_json(path / "config.json", torch_dtype="float32")
     _save_tokenizer(tokenizer, path)
+
+
+def _save_model(tokenizer, seed: int, path: Path) -> None:
+    import torch
+    from transformers import Qwen2ForCausalLM
+
+    config = model_config(tokenizer, PARAMS["model"])
+    # fork_rng: seed the init without disturbing the caller's global RNG state.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen2ForCausalLM(config).to(torch.float32)
+    save_model(model, tokenizer, path)
 
 
 def _write_data(path: Path) -> tuple[Path, Path]:
@@ -219,8 +236,8 @@ ASSETS = ("tokenizer", "student", "teacher", "data")
 MARKER = ".complete"
 
 
-def _params_hash() -> str:
-    return hashlib.sha256(json.dumps(PARAMS, sort_keys=True).encode()).hexdigest()
+def _params_hash(params: dict) -> str:
+    return hashlib.sha256(json.dumps(params, sort_keys=True).encode()).hexdigest()
 
 
 def _paths(out: Path) -> dict[str, Path]:
@@ -233,11 +250,13 @@ def _paths(out: Path) -> dict[str, Path]:
     }
 
 
-def is_complete(out: Path) -> bool:
+def is_complete(out: Path, params: dict | None = None) -> bool:
+    """A marker written for these parameters (default: the embedded default's) exists in `out`."""
     try:
-        return json.loads((Path(out) / MARKER).read_text()).get("params_hash") == _params_hash()
+        marker = json.loads((Path(out) / MARKER).read_text())
     except (OSError, ValueError):
         return False
+    return marker.get("params_hash") == _params_hash(PARAMS if params is None else params)
 
 
 @contextmanager
@@ -251,17 +270,18 @@ def _lock(out: Path):
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
-def build(out: Path) -> dict[str, Path]:
-    """Build (or reuse) the assets under ``out``; return their paths."""
+def build_set(out: Path, params: dict, write, label: str = "embedded") -> dict[str, Path]:
+    """Build (or reuse) one asset set under `out`: `write(tmp)` writes ASSETS into the folder `tmp` and
+    returns extra marker fields; the assets are swapped in, then the marker is written last."""
     out = Path(out).resolve()
     paths = _paths(out)
-    if is_complete(out):
-        print(f"[embedded] up to date: {out}")
+    if is_complete(out, params):
+        print(f"[{label}] up to date: {out}")
         return paths
     out.mkdir(parents=True, exist_ok=True)
     with _lock(out):
-        if is_complete(out):  # another process finished while we waited
-            print(f"[embedded] up to date: {out}")
+        if is_complete(out, params):  # another process finished while we waited
+            print(f"[{label}] up to date: {out}")
             return paths
         (out / MARKER).unlink(missing_ok=True)  # stale marker must not vouch for a partial swap
         for stale in out.glob(".tmp-*"):  # leftovers of crashed builds
@@ -272,30 +292,40 @@ def build(out: Path) -> dict[str, Path]:
         hf_logging.disable_progress_bar()  # keep the output to one line per asset
         tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=out))  # same filesystem -> atomic renames
         try:
-            tokenizer = _train_tokenizer()
-            _save_tokenizer(tokenizer, tmp / "tokenizer")
-            _save_model(tokenizer, PARAMS["seeds"]["student"], tmp / "student")
-            _save_model(tokenizer, PARAMS["seeds"]["teacher"], tmp / "teacher")
-            (tmp / "data").mkdir()
-            _write_data(tmp / "data")
+            extra = write(tmp) or {}
             trash = tmp / ".old"
             trash.mkdir()
-            for name in ASSETS:
+            for name in [*ASSETS, *extra.pop("_extra_assets", [])]:
                 if (out / name).exists():
                     os.replace(out / name, trash / name)
                 os.replace(tmp / name, out / name)
-                print(f"[embedded] wrote {name}: {out / name}")
+                print(f"[{label}] wrote {name}: {out / name}")
             marker = {
-                "version": BUILD_VERSION,
-                "params_hash": _params_hash(),
-                "vocab_size": len(tokenizer),
+                "version": params["version"],
+                "params_hash": _params_hash(params),
                 "assets": {k: str(v.relative_to(out)) for k, v in paths.items()},
+                **extra,
             }
             (tmp / MARKER).write_text(json.dumps(marker, indent=2, sort_keys=True) + "\n")
             os.replace(tmp / MARKER, out / MARKER)  # last: marks the whole set as complete
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     return paths
+
+
+def _write_default(tmp: Path) -> dict:
+    tokenizer = _train_tokenizer()
+    _save_tokenizer(tokenizer, tmp / "tokenizer")
+    _save_model(tokenizer, PARAMS["seeds"]["student"], tmp / "student")
+    _save_model(tokenizer, PARAMS["seeds"]["teacher"], tmp / "teacher")
+    (tmp / "data").mkdir()
+    _write_data(tmp / "data")
+    return {"vocab_size": len(tokenizer)}
+
+
+def build(out: Path) -> dict[str, Path]:
+    """Build (or reuse) the embedded default under ``out``; return their paths."""
+    return build_set(out, PARAMS, _write_default)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -25,6 +25,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--batch-size", type=int, help="prompts per generate call (hf: 32 on CUDA, 8 on CPU; vllm: 1024)")
     ap.add_argument("--step", type=int, help="training step for plots (default: from global_step_N in --model)")
     ap.add_argument("--grade-timeout", dest="grade_timeout_s", type=float, default=10.0, help="math-verify seconds per sample")
+    ap.add_argument("--teacher-kl", dest="teacher_kl", help="teacher model folder: also measure the teacher-KL of fresh "
+                    "samples on the suite's questions (opd_patches/eval/teacher_kl.py), into summary.json")
+    ap.add_argument("--kl-samples", dest="kl_samples", type=int, default=1, help="samples per question for --teacher-kl")
     ap.add_argument("--verifier", help="judge model asked when the rule grader cannot decide (off by default)")
     ap.add_argument("--verifier-max-new-tokens", type=int, default=64)
     ap.add_argument("--verifier-prompt", help="prompt file with {question} {gold} {answer} (default: built in)")

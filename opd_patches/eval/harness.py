@@ -35,6 +35,7 @@ from opd_patches.grader import RULE_VERDICTS, grade
 
 VLLM_ASSUMED_TOKENS_PER_S = 10_000.0
 MUST_MATCH = ("model", "suite", "max_new_tokens", "temperature", "top_p", "seed")
+KL_FILE = "teacher_kl.json"
 
 
 def log(msg: str) -> None:
@@ -62,7 +63,8 @@ def default_out(model: str, suite: str) -> Path:
 
 def _check_config(out: Path, config: dict) -> None:
     path = out / "eval_config.json"
-    if path.exists():
+    # Settings only matter once samples exist: a run that failed before sampling blocks nothing.
+    if path.exists() and summary_mod.load_records(out / "generations.jsonl")[0]:
         old = json.loads(path.read_text())
         diff = [f"{k}: {old.get(k)!r} -> {config[k]!r}" for k in MUST_MATCH if old.get(k) != config[k]]
         for key in ("backend", "prompt_opens_thought"):  # kept when a resume generates nothing
@@ -145,6 +147,11 @@ def run(args: dict) -> dict:
             protocol[key] = args[key]
     data_dir = Path(args.get("data_dir") or default_data_dir())
     questions = load_questions(protocol, data_dir, args.get("limit"))
+    from opd_patches.inputs.models import check_model
+
+    check_model(args["model"], "MODEL")  # before anything is written or loaded
+    if args.get("teacher_kl"):
+        check_model(args["teacher_kl"], "--teacher-kl")
     out = Path(args.get("out") or default_out(args["model"], protocol["name"]))
     out.mkdir(parents=True, exist_ok=True)
     model = str(Path(args["model"]).resolve()) if Path(args["model"]).exists() else args["model"]
@@ -220,7 +227,10 @@ def run(args: dict) -> dict:
         if run_verifier(current, by_id, args, backend_name, _max_model_len(questions, protocol)):
             _write_records(gen_path, records)  # `current` holds the same dicts, judged in place
 
+    kl = teacher_kl(args, questions, protocol, model, out) if args.get("teacher_kl") else None
     summary = summary_mod.summarize(current, config, len(wanted), elapsed_s=round(time.time() - started, 2))
+    if kl is not None:
+        summary["teacher_kl"] = kl
     summary["generated_this_run"] = generated
     summary["estimate"] = est
     _write_atomic(out / "summary.json", json.dumps(summary, indent=2) + "\n")
@@ -233,6 +243,31 @@ def run(args: dict) -> dict:
         f"{'' if summary['complete'] else ' [INCOMPLETE]'}")
     log(f"wrote {gen_path}, {out / 'summary.json'}, {out / 'scores.png'}")
     return summary
+
+
+def teacher_kl(args: dict, questions: list[dict], protocol: dict, model: str, out: Path) -> dict:
+    """The teacher-KL of `model` (opd_patches/eval/teacher_kl.py), kept in <out>/teacher_kl.json for these
+    settings: a rerun with the same ones reads it back."""
+    from opd_patches.eval import teacher_kl as kl_mod
+
+    teacher = str(Path(args["teacher_kl"]).resolve()) if Path(args["teacher_kl"]).exists() else args["teacher_kl"]
+    settings = {"model": model, "teacher": teacher, "samples": int(args.get("kl_samples") or 1),
+                "max_new_tokens": protocol["max_new_tokens"], "seed": protocol["seed"], "n_questions": len(questions)}
+    path = out / KL_FILE
+    try:
+        old = json.loads(path.read_text())
+        if old.get("settings") == settings:
+            return old["result"]
+    except (OSError, ValueError, KeyError):
+        pass
+    t0 = time.time()
+    result = kl_mod.measure(model, teacher, questions, settings["samples"], settings["max_new_tokens"], settings["seed"])
+    result["seconds"] = round(time.time() - t0, 1)
+    result["teacher"] = teacher
+    log(f"teacher-KL {result['teacher_kl']:.4f} +/- {result['se_clustered'] or 0:.4f} nats/token "
+        f"({result['n_samples']} samples, {result['n_tokens']} tokens, teacher {teacher})")
+    _write_atomic(path, json.dumps({"settings": settings, "result": result}, indent=2) + "\n")
+    return result
 
 
 def _max_model_len(questions: list[dict], protocol: dict) -> int:

@@ -15,7 +15,8 @@ Short names: `math500` = math500_pass_at_1, `aime` = aime24_25_at32.
 A protocol may generate its questions instead (`generate: <generator>`, `questions: N`,
 `question_seed: S`, `files: []`): `embedded` (protocols/embedded.yaml) makes N arithmetic word
 problems with integer gold answers as the embedded training prompts are made (`opd_patches.embedded`),
-so a smoke needs no data files.
+so a smoke needs no data files; `addition` (protocols/addition.yaml) is the known-answer task's 200
+held-out questions (`opd_patches.embedded.addition`), at the recipes' sampling temperature 1.0.
 
 Question files are JSONL rows `{"id", "problem", "answer"}` (ids unique within the suite; a row without
 an id gets `<file stem>-<line>`). The evaluation data folder is `--data-dir`, else `$OPD_EVAL_DATA`,
@@ -25,7 +26,6 @@ that form (see the README, "Evaluation").
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
@@ -74,7 +74,14 @@ def embedded_questions(n: int, seed: int) -> list[dict]:
             for i, (q, a) in enumerate(found.items())]
 
 
-GENERATORS = {"embedded": embedded_questions}
+def addition_questions(n: int, seed: int) -> list[dict]:
+    """The known-answer task's held-out questions (opd_patches/embedded/addition.py)."""
+    from opd_patches.embedded.addition import questions
+
+    return questions(n, seed)
+
+
+GENERATORS = {"embedded": embedded_questions, "addition": addition_questions}
 
 
 def load_questions(protocol: dict, data_dir: Path, limit: int | None = None) -> list[dict]:
@@ -98,16 +105,12 @@ def load_questions(protocol: dict, data_dir: Path, limit: int | None = None) -> 
                 f"suite {protocol['name']}: {path} is missing. Put {{id, problem, answer}} JSONL files "
                 f"({', '.join(protocol['files'])}) in {data_dir}, or point --data-dir / OPD_EVAL_DATA at them"
             )
-        for i, line in enumerate(path.read_text().splitlines()):
-            if not line.strip():
-                continue
-            row = json.loads(line)
-            missing = [k for k in ("problem", "answer") if k not in row]
-            if missing:
-                raise KeyError(f"{path}:{i + 1} lacks {missing} (rows are {{id, problem, answer}})")
+        from opd_patches.inputs.data import check_eval_jsonl
+
+        for i, row in enumerate(check_eval_jsonl(path)):  # every line a JSON object with problem and answer
             qid = str(row.get("id", f"{path.stem}-{i}"))
             if qid in seen:
-                raise ValueError(f"{path}:{i + 1}: question id {qid!r} appears twice in suite {protocol['name']}")
+                raise ValueError(f"{path}: row {i + 1}: question id {qid!r} appears twice in suite {protocol['name']}")
             seen.add(qid)
             questions.append({"id": qid, "problem": row["problem"], "answer": str(row["answer"]), "source": path.stem})
     return questions[:limit] if limit else questions

@@ -21,7 +21,10 @@ upstream's fit loop already calls:
   incomplete folders after it are removed; the tracker file is rewritten to the resumed step;
 - non-finite guard (guard.py): NaN/inf teacher log-probs (checked before the update), loss or grad
   norm (after it) stop the run before anything of that step is saved; exit status 3;
-- `<run>/run_summary.json` (summary.py) whenever the fit loop ends.
+- `<run>/run_summary.json` (summary.py) whenever the fit loop ends;
+- the replay buffer's poll (`opd.replay_poll_s`): upstream's sync sampler sleeps a fixed 2 s between
+  looks at TransferQueue while the rollout runs (`ReplayBuffer.poll_interval`, no config key), so every
+  generation took a whole number of 2-s periods (a CPU step's 0.4 s of sampling logged 2.02 s).
 
 `opd_sync` (`trainer.v1.trainer_mode=opd_sync`, what opd_patches.main picks for the standalone
 teacher) = `PPOTrainerSync` + this mixin; the colocated teacher's `colocated_teacher` mode uses the
@@ -107,6 +110,12 @@ class OpsTrainerMixin:
         self._ops_step_started = None
         self._ops_steps_this_process = 0
         self._ops_expected_params = None
+        # Upstream's ReplayBuffer takes poll_interval only as a constructor argument (default 2.0 s) that its
+        # builder never passes; the attribute is what its wait reads (tests/test_upstream_patches.py guards it).
+        poll = opd.get("replay_poll_s", 0.05)
+        if isinstance(poll, bool) or not isinstance(poll, (int, float)) or poll <= 0:
+            raise ValueError(f"opd.replay_poll_s={poll!r}: a positive number of seconds.")
+        self.replay_buffer.poll_interval = float(poll)
 
     # ---- resume ---------------------------------------------------------------------------
     def _load_checkpoint(self):

@@ -109,7 +109,7 @@ def train(spec, plans, retry_failed: bool) -> None:
 
 
 def evaluate_all(spec, plans, out: Path) -> tuple[list, dict]:
-    jobs = []
+    jobs = evaluate.reference_jobs(spec, out)
     for plan in plans:
         if runner.status(plan, spec.budget)["state"] == "complete":
             jobs += evaluate.jobs_for(plan, spec.eval, out)
@@ -137,7 +137,10 @@ def _finish(spec, plans, jobs, results, out: Path) -> int:
     states = [r.get("state") for r in results.values()]
     log(f"end: evaluations: {states.count('done')} run, {states.count('skipped')} already complete, "
         f"{states.count('failed')} failed, {states.count('missing')} missing")
-    log(f"report: {paths['md']}, {paths['json']}" + (f", {paths['png']}" if paths["png"] else ""))
+    log(f"report: {paths['md']}, {paths['json']}" + (f", {paths['png']}" if paths["png"] else "")
+        + (f", {paths['summary']}" + (f", {paths['curves']}" if paths.get("curves") else "") if paths.get("summary") else ""))
+    if paths.get("table"):
+        print(paths["table"], flush=True)
     ok = all(p.result["state"] == "complete" for p in plans) and all(s in ("done", "skipped") for s in states)
     return 0 if ok else 1
 
@@ -148,6 +151,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, help="study folder (default outputs/studies/<name>)")
     ap.add_argument("--force", action="store_true", help="start although another run holds the lock (opd.force)")
     ap.add_argument("--retry-failed", action="store_true", help="run again the runs that stopped on non-finite values")
+    ap.add_argument("--seeds", type=int, help="run seeds 1..N of every arm instead of the spec's `seeds` (make learn SEEDS=N)")
     ap.add_argument("--dry-run", action="store_true", help="print the plan (run.sh commands) and what is done; run nothing")
     ap.add_argument("--report-only", action="store_true", help="write the report from what is on disk; run nothing")
     args = ap.parse_args(argv)
@@ -156,6 +160,11 @@ def main(argv=None) -> int:
     except SpecError as exc:
         print(f"[study] spec error: {exc}", file=sys.stderr)
         return 2
+    if args.seeds is not None:
+        if args.seeds < 1:
+            print(f"[study] --seeds {args.seeds}: give a positive number of seeds", file=sys.stderr)
+            return 2
+        spec.seeds = list(range(1, args.seeds + 1))
     for w in spec.warnings:
         log(f"warning: {w}")
     out = (args.out or REPO / "outputs" / "studies" / spec.name).resolve()
@@ -173,7 +182,8 @@ def main(argv=None) -> int:
             log(f"{p.label} [{st['state']}]: {env + ' ' if env else ''}OUTPUT_DIR={p.run_dir} {' '.join(p.command())}")
         return 0
     if args.report_only:
-        jobs = [j for p in plans if runner.status(p, spec.budget)["state"] == "complete" for j in evaluate.jobs_for(p, spec.eval, out)]
+        jobs = evaluate.reference_jobs(spec, out) + [
+            j for p in plans if runner.status(p, spec.budget)["state"] == "complete" for j in evaluate.jobs_for(p, spec.eval, out)]
         return _finish(spec, plans, jobs, {}, out)
 
     from opd_patches.ops import lock

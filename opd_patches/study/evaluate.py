@@ -10,6 +10,10 @@ export (the receipt's `hf_export`, `actor/huggingface`). Checkpoints (`eval.chec
 - `[N, ...]`: those steps, labelled "step N"; one not on disk (never saved, or pruned: raise
   trainer.max_actor_ckpt_to_keep) is reported as missing.
 
+A spec's `references` (models evaluated as they are, e.g. the student a study starts from and its
+teacher) get one evaluation per suite in `<out>/evals/_references/<name>/<suite>/`, labelled "reference".
+With `eval.teacher_kl` every evaluation also measures the model's teacher-KL (`--teacher-kl`).
+
 Each runs `python -m opd_patches.eval` in a process of its own (the GPU memory of one model is freed
 before the next). An evaluation whose summary.json is complete for the same model and settings is
 skipped; an interrupted one resumes from its generations.jsonl (the harness's own resume).
@@ -33,19 +37,35 @@ OPTIONS = {"limit": "--limit", "samples": "--samples", "max_new_tokens": "--max-
            "temperature": "--temperature", "top_p": "--top-p", "seed": "--seed"}
 
 
+REFERENCE = "reference"
+
+
 @dataclass
 class EvalJob:
-    plan: RunPlan
-    label: str     # "last" or "step N": what the report groups by
+    plan: RunPlan | None  # None: a reference model
+    label: str     # "last", "step N" or "reference": what the report groups by
     step: int | None
     suite: str
     out: Path
     model: Path | None
     missing: str = ""  # why there is nothing to evaluate (the step is not on disk)
+    ref: str = ""      # the reference's name
 
     @property
     def name(self) -> str:
+        if self.plan is None:
+            return f"reference {self.ref} {self.suite}"
         return f"{self.plan.arm} seed {self.plan.seed} {self.label} (step {self.step}) {self.suite}"
+
+
+def reference_jobs(spec, out: Path) -> list[EvalJob]:
+    jobs = []
+    for name, model in spec.references.items():
+        for suite in spec.eval["suites"]:
+            folder = out / "evals" / "_references" / name / suite_folder(suite)
+            missing = "" if Path(model).exists() else f"reference {name}: no model folder {model}"
+            jobs.append(EvalJob(None, REFERENCE, None, suite, folder, Path(model), missing=missing, ref=name))
+    return jobs
 
 
 def _export(state_dir: Path) -> Path:
@@ -91,12 +111,18 @@ def is_done(job: EvalJob, eval_spec: dict) -> bool:
     if not s or not s.get("complete") or s.get("model") != str(job.model):
         return False
     protocol = s.get("protocol") or {}
+    if eval_spec.get("teacher_kl") and (s.get("teacher_kl") or {}).get("teacher") != eval_spec["teacher_kl"]:
+        return False
     return all(eval_spec[k] is None or protocol.get(k) == eval_spec[k] for k in OPTIONS)
 
 
 def command(job: EvalJob, eval_spec: dict) -> list[str]:
     cmd = [sys.executable, "-m", "opd_patches.eval", "--model", str(job.model), "--suite", job.suite,
-           "--out", str(job.out), "--step", str(job.step), "--backend", eval_spec["backend"]]
+           "--out", str(job.out), "--backend", eval_spec["backend"]]
+    if job.step is not None:
+        cmd += ["--step", str(job.step)]
+    if eval_spec.get("teacher_kl"):
+        cmd += ["--teacher-kl", eval_spec["teacher_kl"], "--kl-samples", str(eval_spec.get("kl_samples") or 1)]
     for key, flag in OPTIONS.items():
         if eval_spec[key] is not None:
             cmd += [flag, str(eval_spec[key])]
@@ -119,4 +145,6 @@ def run_job(job: EvalJob, eval_spec: dict) -> dict:
     if code != 0 or not s or not s.get("complete"):
         tail = (job.out / "eval.log").read_text(errors="replace").splitlines()[-5:]
         return {"state": "failed", "detail": f"exit {code}; log {job.out / 'eval.log'}: " + " | ".join(tail), "seconds": seconds}
-    return {"state": "done", "detail": f"pass@1 {s['pass_at_1']:.4f} +/- {s['se_clustered']:.4f}", "seconds": seconds}
+    kl = s.get("teacher_kl")
+    tail = f", teacher-KL {kl['teacher_kl']:.4f}" if kl else ""
+    return {"state": "done", "detail": f"pass@1 {s['pass_at_1']:.4f} +/- {s['se_clustered']:.4f}{tail}", "seconds": seconds}

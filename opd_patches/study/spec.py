@@ -10,6 +10,7 @@
     control: k1                       # the arm the others are compared with (default: the first arm)
     # ablate: {control: k1, treatment: topk}   # instead of `arms`: control, control + each knob, treatment
     seeds: [1, 2]                     # each seed sets SEED_KEYS (data order, rollout sampling, actor)
+    references: {student: .cache/addition/student}   # models evaluated as they are, beside the arms
     budget: {steps: 2}                # and/or {wall_clock_s: 3600, reserve_s: 600}
     eval:
       suites: [math500]               # eval suite names or protocol .yaml paths
@@ -17,6 +18,10 @@
       limit: 3                        # optional: first N questions; samples, max_new_tokens, temperature,
       samples: 2                      #   top_p, seed, backend (auto|hf|vllm), data_dir, args: [extra CLI]
       max_new_tokens: 16
+      teacher_kl: .cache/addition/teacher   # optional: also each model's teacher-KL (opd_patches/eval/teacher_kl.py)
+      kl_samples: 1                   #   with this many fresh samples per question
+
+Relative model paths (references, teacher_kl) are taken from the repository root.
 
 Conventions: the study sets `trainer.default_local_dir` (its own run folders) and the seed keys (last, so
 they win over any recipe or arm value: an arm that sets one is warned about); `OUTPUT_DIR` and `RECIPE`
@@ -45,10 +50,10 @@ SEED_KEYS = (
     "actor_rollout_ref.actor.data_loader_seed",
     "actor_rollout_ref.actor.fsdp_config.seed",
 )
-TOP_KEYS = ("name", "recipe", "env", "overrides", "arms", "control", "ablate", "seeds", "budget", "eval")
+TOP_KEYS = ("name", "recipe", "env", "overrides", "arms", "control", "ablate", "seeds", "references", "budget", "eval")
 BUDGET_KEYS = ("steps", "wall_clock_s", "reserve_s")
 EVAL_KEYS = ("suites", "checkpoints", "limit", "samples", "max_new_tokens", "temperature", "top_p", "seed",
-             "backend", "data_dir", "args")
+             "backend", "data_dir", "args", "teacher_kl", "kl_samples")
 STUDY_SET = ("trainer.default_local_dir",)  # keys only the study may set
 ENV_REFUSED = {"OUTPUT_DIR": "the study puts each run in <out>/runs/<arm>/seed<S>",
                "RECIPE": "use `recipe: NAME` or `recipe=NAME` in an arm's overrides"}
@@ -78,6 +83,7 @@ class Spec:
     seeds: list[int]
     budget: dict
     eval: dict
+    references: dict = field(default_factory=dict)  # name -> model folder, evaluated as is
     ablation: dict | None = None  # the arms module's output when `ablate` was used
     warnings: list[str] = field(default_factory=list)
 
@@ -209,7 +215,26 @@ def _eval(path, raw) -> dict:
         "backend": backend,
         "data_dir": data_dir,
         "args": _str_list(path, "eval.args", raw.get("args")),
+        "teacher_kl": None if raw.get("teacher_kl") is None else model_path(raw["teacher_kl"]),
+        "kl_samples": _number(path, "eval.kl_samples", raw.get("kl_samples"), int),
     }
+
+
+def model_path(value) -> str:
+    """A model folder from a spec: env vars and ~ expanded, relative to the repository root; a hub id
+    (org/name that is no folder here) as is."""
+    text = os.path.expanduser(os.path.expandvars(str(value)))
+    local = Path(text) if os.path.isabs(text) else REPO / text
+    return str(local) if local.exists() or text.startswith((".", "/")) or text.count("/") != 1 else text
+
+
+def _references(path, raw) -> dict:
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict) or not all(isinstance(k, str) and NAME_RE.match(k) and isinstance(v, str)
+                                            for k, v in raw.items()):
+        raise _err(path, "references", f"must map folder-safe names to model folders, e.g. {{student: PATH}}, got {raw!r}")
+    return {k: model_path(v) for k, v in raw.items()}
 
 
 def _str_list(path, key, value) -> list[str]:
@@ -310,10 +335,14 @@ def load(path: Path, compose=None) -> Spec:
             key = o.split("=", 1)[0].lstrip("+~")
             if key in SEED_KEYS:
                 warnings.append(f"arm {a.name}: {o} is replaced by the study seed ({key}=<seed>)")
+    refs = _references(path, raw.get("references"))
+    clash = sorted(set(refs) & {a.name for a in arms})
+    if clash:
+        raise _err(path, "references", f"{clash} also name arms; give references other names")
     if "budget" not in raw:
         raise _err(path, "budget", "missing: give {steps: N} and/or {wall_clock_s: S}")
     if "eval" not in raw:
         raise _err(path, "eval", "missing: give at least {suites: [math500]}")
     return Spec(path=path, name=name, recipe=recipe, env=_env(path, raw.get("env")), overrides=overrides, arms=arms,
                 control=control, seeds=list(seeds), budget=_budget(path, raw["budget"]), eval=_eval(path, raw["eval"]),
-                ablation=ablation, warnings=warnings)
+                references=refs, ablation=ablation, warnings=warnings)
