@@ -94,7 +94,7 @@ preflight: $(DEPS)
 	@test -n "$(STUDENT)" -a -n "$(TEACHER)" || { echo "usage: make preflight STUDENT=<model> TEACHER=<model> [DATA=train.parquet] [PREFLIGHT_OUT=preflight.json]"; exit 2; }
 	$(PY) -m opd_patches.preflight --student $(STUDENT) --teacher $(TEACHER) $(if $(DATA),--data $(DATA)) --out $(PREFLIGHT_OUT) $(PREFLIGHT_ARGS)
 
-# The submission patch: the editable surface (opd_patches recipes run.sh Makefile README.md tests),
+# The submission patch: the editable surface (opd_patches recipes run.sh Makefile README.md docs tests),
 # untracked files included, diffed against BASE (default: the tag opd-base that `make install` made).
 # patch-check rewrites it, applies it to a clean checkout of the base and runs the vendor check.
 # (opd_patches/ops/patch.py is run as a script, = python -m opd_patches.ops.patch without importing verl.)

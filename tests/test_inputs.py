@@ -133,3 +133,26 @@ def test_run_sh_refuses_bad_inputs_before_ray(tmp_path, embedded):
     assert f"distillation.teacher_models.teacher_model.model_path={tmp_path / 'missing-teacher'}" in last
     last = _launch(tmp_path, embedded, EMBEDDED="1")
     assert "EMBEDDED=1" in last and "STUDENT TEACHER TRAIN_FILES VAL_FILES" in last
+
+
+def test_make_data_sources_are_checked(tmp_path):
+    from opd_patches.data import prepare
+
+    src = tmp_path / "raw.jsonl"
+    src.write_text('{"problem": "1+1?", "answer": "2"}\n{"problem": "2+2?", "answer": \n')
+    assert prepare.main([str(src), "--out", str(tmp_path / "out"), "--no-decontaminate"]) == 2
+    with pytest.raises(InputError, match=r"raw.jsonl:2: not a JSON object"):
+        prepare._read(src)
+    fake = tmp_path / "raw.parquet"
+    fake.write_text("problem,answer\n1+1?,2\n")
+    with pytest.raises(InputError, match=r"raw.parquet: not a readable parquet file"):
+        prepare._read(fake)
+
+
+def test_make_eval_of_a_missing_model_is_refused_and_leaves_nothing(tmp_path, capsys):
+    from opd_patches.eval.cli import main as eval_main
+
+    out = tmp_path / "eval"
+    assert eval_main(["--model", str(tmp_path / "missing"), "--suite", "embedded", "--out", str(out)]) == 2
+    assert f"MODEL={tmp_path / 'missing'}: no such file" in capsys.readouterr().err
+    assert not (out / "eval_config.json").exists()

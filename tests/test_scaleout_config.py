@@ -4,7 +4,7 @@ What a launch on N nodes x M GPUs checks before any worker exists: Hydra composi
 overrides plus `trainer.nnodes` / `trainer.n_gpus_per_node`, the project's placement, VERL's own
 `validate_config`, the typed actor and rollout configs (the actor's `validate(n_gpus, train_batch_size)`
 is what upstream's workers call), and the Ray environment every process on every node receives. A key
-that breaks multi-node launches fails here. README "Scale-out" has the commands.
+that breaks multi-node launches fails here. docs/scale-out.md has the commands.
 """
 
 import math

@@ -4,7 +4,7 @@ Each run-time patch of backends/upstream_patches.py is fed the minimal inputs th
 tests feed the patched function (a bare SimpleNamespace config, plain tensors, a one-sample TensorDict)
 and must return what the original returns (the original the patch saved, `__wrapped__`), or what the
 project documents for it (the lean top-k path: the same values). Upstream's tests themselves are not in
-the wheel: README "Run-time patches" says how they were run with and without the patches.
+the wheel: docs/architecture.md "Run-time patches" says how they were run with and without the patches.
 """
 
 import inspect

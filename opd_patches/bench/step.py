@@ -166,7 +166,7 @@ def run_phase(size, args) -> dict:
         return run(name, args.steps, args.rollout, workdir, overrides, args.timeout,
                    arch="r1" if full else "embedded", gpu=gpus[i] if gpus else None)
 
-    if gpus:  # at the same time, one GPU each; launches 15 s apart, as in the run the README quotes
+    if gpus:  # at the same time, one GPU each; launches 15 s apart, as in the runs docs/bench/history.md quotes
         from opd_patches.embedded import build as embedded
 
         embedded.build(REPO / ".cache" / "embedded")  # once here: the threads then find it up to date

@@ -21,7 +21,7 @@ held-out questions (`opd_patches.embedded.addition`), at the recipes' sampling t
 Question files are JSONL rows `{"id", "problem", "answer"}` (ids unique within the suite; a row without
 an id gets `<file stem>-<line>`). The evaluation data folder is `--data-dir`, else `$OPD_EVAL_DATA`,
 else `~/data/opd-eval` (DEFAULT_DATA_DIR): the user fills it with MATH-500 / AIME 2024 / AIME 2025 in
-that form (see the README, "Evaluation").
+that form (see docs/evaluation.md).
 """
 
 from __future__ import annotations

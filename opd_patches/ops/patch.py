@@ -8,7 +8,7 @@ Stdlib only: the Makefile runs it as a script (`python opd_patches/ops/patch.py 
 importing opd_patches (and so verl).
 
 Conventions:
-- Editable surface: SURFACE below (opd_patches, recipes, run.sh, Makefile, README.md, tests). Changes
+- Editable surface: SURFACE below (opd_patches, recipes, run.sh, Makefile, README.md, docs, tests). Changes
   elsewhere are listed as "not in the patch"; a patch touching verl_vendor/ or anything outside the
   surface is refused by `check`.
 - Base: `--base REF` (make: BASE=...), else, for `check`, the base commit written in the patch's
@@ -33,7 +33,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-SURFACE = ("opd_patches", "recipes", "run.sh", "Makefile", "README.md", "tests")
+SURFACE = ("opd_patches", "recipes", "run.sh", "Makefile", "README.md", "docs", "tests")
 FORBIDDEN = ("verl_vendor",)
 BASE_TAG = "opd-base"
 HEADER = "# opd-patch"
@@ -201,7 +201,7 @@ def check(repo: Path, patch: Path, base: str | None, wheel_dir: Path | None) -> 
     forbidden = [p for p in paths if any(p == f or p.startswith(f + "/") for f in FORBIDDEN)]
     if forbidden:
         raise PatchError(f"{patch} touches {', '.join(forbidden)}: upstream VERL and its pin stay unchanged; "
-                         "move the change into opd_patches/ (see README, 'How VERL is extended').")
+                         "move the change into opd_patches/ (see docs/architecture.md, 'How VERL is extended').")
     outside = [p for p in paths if not in_surface(p)]
     if outside:
         raise PatchError(f"{patch} touches files outside the editable surface ({' '.join(SURFACE)}): "

@@ -1,6 +1,6 @@
 """Checkpoint receipts: `<run>/global_step_N/receipt.json`, the proof that a saved state is complete.
 
-Schema (shared contract, see README "Checkpoints, receipts, resume"):
+Schema (shared contract, see docs/training.md "Wall clock, checkpoints, resume"):
     {"step": N, "complete": true,
      "files": {relpath: {"bytes": int, "sha256": str}},   # every file of the state except the receipt
      "hf_export": "actor/huggingface",                    # relative to the state folder
@@ -12,7 +12,7 @@ a state folder either has a whole receipt or none. With background saves (opd_pa
 it is written by the finishing process after the export validation and the hashing have ended;
 `receipt.json.pending` marks that window.
 
-Definitions (the one place; README "Wall clock, checkpoints, resume" repeats them):
+Definitions (the one place; docs/training.md "Wall clock, checkpoints, resume" repeats them):
 - *complete*: the receipt is written and matches the disk: it parses, names the folder's step and
   every file it lists exists with the recorded size (`problem` is None). A listing checks sizes only;
   a resume, and `make checkpoints VERIFY=1`, also re-hash every file against its sha256 (`verify`).

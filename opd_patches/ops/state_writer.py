@@ -36,7 +36,7 @@ from opd_patches.ops.receipts import FAILED, PARTIAL, WRITING  # the markers; th
 ENV = "OPD_ASYNC_STATE_WRITE"
 # Snapshots of CUDA tensors go to page-locked host memory: on the H200, 21.3 GB in 3.3 s against 19.1 s pageable;
 # pinning costs once (the first save: 10.3 s), then torch's caching host allocator reuses the blocks, so the
-# process keeps one state's size pinned (make bench PHASE=save, README).
+# process keeps one state's size pinned (make bench PHASE=save, docs/performance.md).
 PINNED = True
 
 
