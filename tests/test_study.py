@@ -164,9 +164,24 @@ def test_progress_eta_from_metrics(tmp_path):
     log_step(2, 60.0)
     line = log_step(3, 70.0)
     assert "10.0 s/step" in line and "eta 1m10s" in line  # measured between steps: 7 left x 10 s
+    now[0] = 80.0
+    with open(metrics, "a") as fh:  # two steps logged between polls: the rate stays the measured one
+        fh.write("".join(json.dumps({"step": s, "data": {"timing_s/step": 40.0}}) + "\n" for s in (4, 5)))
+    assert "step 5/10" in prog.poll() and "7.5 s/step" in prog.line()  # (80 - 50) s / (5 - 1) steps
     with open(metrics, "a") as fh:
-        fh.write('{"step": 4, "da')  # a line still being written is not read
+        fh.write('{"step": 6, "da')  # a line still being written is not read
     assert read_steps(metrics, prog.offset) == ([], prog.offset)
+
+
+def test_progress_first_poll_reads_two_steps(tmp_path):
+    # a fast run logs steps 1 and 2 before the study looks: the rate is step 1's own, not 0 s/step
+    now = [0.0]
+    prog = RunProgress(tmp_path, "run 1/2 k1 seed 1", total_steps=2, clock=lambda: now[0])
+    (tmp_path / "metrics.jsonl").write_text(
+        "".join(json.dumps({"step": s, "data": {"timing_s/step": 12.0}}) + "\n" for s in (1, 2)))
+    now[0] = 30.0
+    line = prog.poll()
+    assert "step 2/2" in line and "12.0 s/step" in line and "eta 0 s" in line, line
 
 
 # ---- statistics against a hand-computed case --------------------------------------------------------------

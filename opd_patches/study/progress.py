@@ -103,8 +103,9 @@ class RunProgress:
                 if self.first_step_s is None:
                     self.first_step_s = float(rec.get("data", {}).get("timing_s/step") or (now - self.started))
                 self.step = rec["step"]
-                self.seen.append((now, self.step))
                 new = True
+        if new:  # one entry per poll: steps read together carry no time between them
+            self.seen.append((now, self.step))
         if new or now - self.last_line_at >= self.heartbeat_s:
             self.last_line_at = now
             return self.line()
