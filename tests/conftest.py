@@ -1,8 +1,11 @@
 """Shared fixtures: the embedded tiny models (built once, cached in .cache/) and the end-to-end runs
 that several tests read (tests/background.py: started in the background right after collection).
 
-OPD_TEST_THREADS=N: torch intra-op threads of the test process (default: torch's own choice; the
-numerical tolerances hold for any count). OPD_TEST_JOBS=N: job slots of the end-to-end runs (tests/background.py; default 2: memory).
+OMP_NUM_THREADS: 1 unless set, for the test process and every process it starts (torch reads it at import;
+Ray's workers get 1 anyway): the suite runs two end-to-end runs and its own tests at once on 2 cores, and
+two processes of 2 threads each spin against each other (two evaluations of the `addition` suite side by
+side: 40.9 s with 2 threads each, 14.9 s with 1; one alone: 12.9 s / 13.5 s). OPD_TEST_THREADS=N: torch
+intra-op threads of the test process (the numerical tolerances hold for any count). OPD_TEST_JOBS=N: job slots of the end-to-end runs (tests/background.py; default 2: memory).
 """
 
 import os
@@ -18,6 +21,7 @@ from flag_runs import LOGGERS, UPSTREAM_PATHS, bench_run_dir, bench_step_spec, w
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPES = ("k1", "topk", "topk_tail")
+os.environ.setdefault("OMP_NUM_THREADS", "1")  # see the docstring: oversubscription, not compute
 # As in every Ray process of a run: importing verl registers opd_patches (opd_patches/registered.py).
 os.environ["VERL_USE_EXTERNAL_MODULES"] = "opd_patches.registered"
 # As run.sh on a machine without a GPU. VERL fixes its platform when its trainer or engines are first
