@@ -4,6 +4,7 @@
         [--variants k1_pg lean_topk_tail ...] [--no-model]          (kernels)
         [--seq-len N] [--micro-seqs M]          (any phase that uses the size's sequences)
         [--recipe topk [k1 ...]] [--gpus 0 1] [--rollout vllm|hf] [--steps 2] [--override K=V ...]   (step)
+        [--batches 32 64 128] [--tokens 7168] [--train-shares 100 25 ...] [--share-tokens 2048]   (decode)
 """
 
 import argparse
@@ -22,6 +23,7 @@ PHASES = {
     "step": "opd_patches.bench.step:run_phase",
     "layout": "opd_patches.bench.layout:run_phase",
     "save": "opd_patches.bench.save:run_phase",
+    "decode": "opd_patches.bench.decode:run_phase",
 }
 
 
@@ -52,6 +54,11 @@ def main(argv=None) -> int:
     step.add_argument("--override", nargs="*", help="extra Hydra overrides for run.sh")
     step.add_argument("--workdir", type=Path, default=Path(".cache/bench"), help="models and run folders")
     step.add_argument("--timeout", type=int, default=3600, help="seconds before the run is killed")
+    dec = parser.add_argument_group("decode phase (vLLM decode per batch size; training beside it under MPS)")
+    dec.add_argument("--batches", type=int, nargs="+", default=[32, 64, 128])
+    dec.add_argument("--tokens", type=int, default=7168, help="forced new tokens per sequence")
+    dec.add_argument("--train-shares", type=int, nargs="*", default=[], help="MPS active-thread %% of the training child")
+    dec.add_argument("--share-tokens", type=int, default=2048, help="new tokens of the decode beside the training")
     args = parser.parse_args(argv)
     import torch
 
