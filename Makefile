@@ -134,11 +134,13 @@ plot: $(DEPS)
 # peak GPU memory per measurement; phases merge into one JSON. SIZE=full needs a CUDA GPU (1.5B
 # architecture, 32 x 5,200 tokens); SIZE=cpu is a quick check. BENCH_ARGS e.g. "--variants lean_topk_tail --no-model".
 # PHASE=step: two training steps of RECIPE through run.sh (ROLLOUT=vllm|hf), VERL's timing_s/* per step;
-# RECIPE="k1 topk" GPUS="0 1" runs both at once, one GPU each.
+# RECIPE="k1 topk" GPUS="0 1" runs both at once, one GPU each. LENGTHS=seed-math500 (or cap@2,seed-math500@2:
+# two steps at the cap, then the profile) gives each response a length from a documented profile
+# (opd_patches/bench/lengths.py; random weights otherwise run every response to the cap).
 PHASE ?= kernels
 bench: $(DEPS)
 	$(PY) -m opd_patches.bench --phase $(PHASE) $(if $(SIZE),--size $(SIZE)) --out $(or $(OUT),bench.json) \
-	  $(if $(RECIPE),--recipe $(RECIPE)) $(if $(GPUS),--gpus $(GPUS)) $(if $(ROLLOUT),--rollout $(ROLLOUT)) $(BENCH_ARGS)
+	  $(if $(RECIPE),--recipe $(RECIPE)) $(if $(GPUS),--gpus $(GPUS)) $(if $(ROLLOUT),--rollout $(ROLLOUT)) $(if $(LENGTHS),--lengths $(LENGTHS)) $(BENCH_ARGS)
 
 # CPU regression benchmark of the loss kernels (JSON for comparisons between commits on one machine).
 bench-cpu-kernels: $(DEPS)

@@ -145,3 +145,39 @@ def test_finish_process_dies_with_the_trainer():
     gone = subprocess.run([sys.executable, "-c", "from opd_patches.ops.finish import die_with_parent; "
                            "die_with_parent(1); print('ran on')"], capture_output=True, text=True, cwd=REPO, timeout=60)
     assert gone.returncode == 1 and "ran on" not in gone.stdout
+
+
+def test_state_files_hash_beside_the_export_and_the_receipt_waits_for_every_write(tmp_path):
+    """The finish hashes the state's files outside the HF export in a thread (beside the export's build and
+    validation): its receipt equals a sequential inventory of the folder, and a file still being written
+    when the finish starts (a `.writing` marker, state_writer.py) enters it with its final content."""
+    state = make_state(tmp_path, 3, complete=False)
+    optim = state / "actor" / "optim_world_size_1_rank_0.pt"
+    (state / "actor" / (optim.name + receipts.WRITING)).write_text("1")
+
+    def late_write():  # what the writer thread does: content first, then the marker goes
+        time.sleep(0.5)
+        optim.write_bytes(os.urandom(3 << 20))
+        (state / "actor" / (optim.name + receipts.WRITING)).unlink()
+
+    writer = threading.Thread(target=late_write)
+    writer.start()
+    out = finish.finish(state, 3, validate=False, timeout_s=60)
+    writer.join()
+    files = json.loads((state / receipts.NAME).read_text())["files"]
+    assert files == receipts.inventory(state)  # the same files, sizes and sha256 as hashing one after another
+    assert files[optim.relative_to(state).as_posix()]["sha256"] == receipts.sha256(optim)
+    assert any(rel.startswith(receipts.HF_EXPORT + "/") for rel in files) and out["state_hashed_s"] >= 0.5
+
+
+def test_a_failed_state_write_leaves_no_receipt_even_with_the_export_built_first(tmp_path, monkeypatch):
+    """With `build_export` the export starts once the model files are written; a failed optimizer write still
+    keeps the state incomplete (the hashing thread's wait reports it), after the export was built."""
+    from opd_patches.ops import state_export
+
+    built = []
+    monkeypatch.setattr(state_export, "write_export", lambda actor: built.append(actor))  # the fake shards cannot merge
+    state = make_state(tmp_path, 4, complete=False)
+    (state / "actor" / ("optim_world_size_1_rank_0.pt" + receipts.FAILED)).write_text("OSError: disk full")
+    out = finish.finish(state, 4, validate=False, timeout_s=60, build_export=True)
+    assert built == [state / "actor"] and "disk full" in out["error"] and not (state / receipts.NAME).exists()

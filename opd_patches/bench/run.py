@@ -3,7 +3,8 @@
     python -m opd_patches.bench --phase kernels|teacher|step|layout|save [--size full|cpu] [--out bench.json]
         [--variants k1_pg lean_topk_tail ...] [--no-model]          (kernels)
         [--seq-len N] [--micro-seqs M]          (any phase that uses the size's sequences)
-        [--recipe topk [k1 ...]] [--gpus 0 1] [--rollout vllm|hf] [--steps 2] [--override K=V ...]   (step)
+        [--recipe topk [k1 ...]] [--gpus 0 1] [--rollout vllm|hf] [--steps 2] [--override K=V ...]
+        [--lengths seed-math500 | cap@2,seed-math500@2]   (step)
         [--batches 32 64 128] [--tokens 7168] [--train-shares 100 25 ...] [--share-tokens 2048]   (decode)
 """
 
@@ -52,6 +53,8 @@ def main(argv=None) -> int:
     step.add_argument("--steps", type=int, default=3)
     step.add_argument("--save-after", type=int, default=1, help="save after this step only (0: no save)")
     step.add_argument("--override", nargs="*", help="extra Hydra overrides for run.sh")
+    step.add_argument("--lengths", help="response lengths: a profile (seed-math500, lognormal:MEDIAN:SIGMA, cap) or a "
+                      "schedule cap@2,seed-math500@2 (opd_patches/bench/lengths.py); default: every response to the cap")
     step.add_argument("--workdir", type=Path, default=Path(".cache/bench"), help="models and run folders")
     step.add_argument("--timeout", type=int, default=3600, help="seconds before the run is killed")
     dec = parser.add_argument_group("decode phase (vLLM decode per batch size; training beside it under MPS)")

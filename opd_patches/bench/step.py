@@ -68,7 +68,7 @@ def step_rows(metrics_file: Path) -> list[dict]:
             continue
         row = {"step": entry.get("step", data.get("training/global_step"))}
         row.update({f"timing_s/{k}": round(data[f"timing_s/{k}"], 2) for k in PHASE_KEYS if f"timing_s/{k}" in data})
-        for k in ("response_length/mean", "response_length/max", "response_length/clip_ratio",
+        for k in ("response_length/mean", "response_length/max", "response_length/min", "response_length/clip_ratio",
                   "actor/perf/max_memory_allocated_gb", "actor/perf/max_memory_reserved_gb", "perf/throughput"):
             if k in data:
                 row[k] = round(float(data[k]), 3)
@@ -76,10 +76,22 @@ def step_rows(metrics_file: Path) -> list[dict]:
     return rows
 
 
+def requested_lengths(log: Path) -> dict[int, dict]:
+    """Per step, what the length profile asked the rollout for (lengths.py's request log)."""
+    by_step: dict[int, list] = {}
+    for line in log.read_text().splitlines() if log.exists() else []:
+        r = json.loads(line)
+        by_step.setdefault(int(r["step"]), []).append(r)
+    return {step: {"lengths": rs[0]["profile"], "requested_tokens/mean": round(sum(r["tokens"] for r in rs) / len(rs), 1),
+                   "requested_tokens/min": min(r["tokens"] for r in rs), "requested_tokens/max": max(r["tokens"] for r in rs),
+                   "requests": len(rs)} for step, rs in sorted(by_step.items())}
+
+
 def run(recipe: str, steps: int, rollout: str, workdir: Path, overrides: list[str], timeout: int,
-        arch: str = "r1", gpu: str | None = None) -> dict:
+        arch: str = "r1", gpu: str | None = None, lengths: str | None = None) -> dict:
     """One recipe's run through run.sh; `gpu` (an nvidia-smi index) pins it to that GPU, with a lock
-    folder of its own so that runs on other GPUs of the host do not wait for each other."""
+    folder of its own so that runs on other GPUs of the host do not wait for each other. `lengths`: a
+    length profile or schedule (lengths.py), enforced per request by a bench-only agent loop."""
     from opd_patches.embedded import build as embedded
     from opd_patches.embedded import r1_arch
 
@@ -109,6 +121,11 @@ def run(recipe: str, steps: int, rollout: str, workdir: Path, overrides: list[st
     if rollout == "hf" and arch == "r1":  # the tiny embedded models keep the smoke overlay's length
         cmd.append("data.max_response_length=512")
     cmd += overrides
+    request_log = run_dir / "requested_lengths.jsonl"
+    if lengths:
+        from opd_patches.bench import lengths as profiles
+
+        cmd += profiles.overrides(profiles.write_config(run_dir / "length_profile.yaml", lengths, log=request_log))
     print(f"[bench step] {recipe}: {' '.join(cmd)}  (log: {run_dir / 'run.log'})", flush=True)
     peak = DevicePeak()
     peak.start()
@@ -125,10 +142,13 @@ def run(recipe: str, steps: int, rollout: str, workdir: Path, overrides: list[st
             time.sleep(1.0)
     wall = time.monotonic() - launched
     rows = step_rows(run_dir / "metrics.jsonl")
+    asked = requested_lengths(request_log)
+    for row in rows:
+        row.update(asked.get(int(row["step"]), {}))
     result = {
         "recipe": recipe, "rollout": rollout, "arch": arch, "steps_requested": steps, "steps_done": len(rows),
         "returncode": proc.returncode, "wall_s": round(wall, 1), "model_build_s": round(build_s, 1),
-        "steps": rows, **peak.stop(), "gpu": gpu,
+        "steps": rows, **peak.stop(), "gpu": gpu, "lengths": lengths or "cap (no profile)",
         "overrides": cmd[2:],
     }
     result["device_peak_gib"] = result.get(f"gpu{gpu if gpu is not None else 0}_peak_gib")
@@ -156,6 +176,13 @@ def run_phase(size, args) -> dict:
     else:
         overrides.append("trainer.save_freq=-1")
     overrides += list(args.override or [])
+    if args.lengths:
+        from opd_patches.bench import lengths as profiles
+
+        try:
+            profiles.schedule(args.lengths)
+        except ValueError as exc:
+            raise SystemExit(f"[bench step] --lengths (LENGTHS=): {exc}") from None
     names, gpus = list(args.recipe), [str(g) for g in (args.gpus or [])]
     if gpus and len(gpus) < len(names):
         raise SystemExit(f"[bench step] --gpus {' '.join(gpus)}: one GPU per recipe ({' '.join(names)}) is needed "
@@ -164,7 +191,7 @@ def run_phase(size, args) -> dict:
     def one(i, name):
         workdir = args.workdir / name if gpus else args.workdir  # concurrent runs build their own models
         return run(name, args.steps, args.rollout, workdir, overrides, args.timeout,
-                   arch="r1" if full else "embedded", gpu=gpus[i] if gpus else None)
+                   arch="r1" if full else "embedded", gpu=gpus[i] if gpus else None, lengths=args.lengths)
 
     if gpus:  # at the same time, one GPU each; launches 15 s apart, as in the runs docs/bench/history.md quotes
         from opd_patches.embedded import build as embedded

@@ -49,15 +49,38 @@ def sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def inventory(state_dir: Path) -> dict:
-    """{relpath: {"bytes", "sha256"}} for every file under a state folder except the receipt."""
+def state_files(state_dir: Path, under: str | None = None, outside: str | None = None) -> list[str]:
+    """Relpaths of every file under a state folder except the receipt (only those `under` a subfolder, or
+    `outside` it), sorted."""
     state_dir = Path(state_dir)
-    files = {}
+    rels = []
     for p in sorted(state_dir.rglob("*")):
         rel = p.relative_to(state_dir).as_posix()
-        if p.is_file() and rel != NAME and not rel.startswith(NAME + "."):
-            files[rel] = {"bytes": p.stat().st_size, "sha256": sha256(p)}
-    return files
+        if not p.is_file() or rel == NAME or rel.startswith(NAME + "."):
+            continue
+        if under is not None and not rel.startswith(under.rstrip("/") + "/"):
+            continue
+        if outside is not None and rel.startswith(outside.rstrip("/") + "/"):
+            continue
+        rels.append(rel)
+    return rels
+
+
+def hash_files(state_dir: Path, rels: list[str], workers: int | None = None) -> dict:
+    """{relpath: {"bytes", "sha256"}} of the given files, hashed by a pool of threads (hashlib and file
+    reads release the GIL: the state's files hash side by side instead of one after another)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    state_dir = Path(state_dir)
+    workers = workers or max(1, min(8, os.cpu_count() or 1, len(rels)))
+    with ThreadPoolExecutor(workers, thread_name_prefix="sha256") as pool:
+        digests = list(pool.map(lambda rel: sha256(state_dir / rel), rels))
+    return {rel: {"bytes": (state_dir / rel).stat().st_size, "sha256": d} for rel, d in zip(rels, digests, strict=True)}
+
+
+def inventory(state_dir: Path) -> dict:
+    """{relpath: {"bytes", "sha256"}} for every file under a state folder except the receipt."""
+    return hash_files(state_dir, state_files(state_dir))
 
 
 def atomic_write_json(path: Path, data: dict) -> None:
@@ -168,17 +191,18 @@ def reject(state_dir: Path, reason: str) -> None:
     (state_dir / NAME).unlink(missing_ok=True)
 
 
-def wait_for_writes(state: Path, timeout_s: float, poll_s: float = 0.2) -> None:
-    """Block until no file of `state` is still being written; raise if one failed or the wait times out."""
+def wait_for_writes(state: Path, timeout_s: float, poll_s: float = 0.2, pattern: str = "*") -> None:
+    """Block until no file of `state` (matching `pattern`, an rglob pattern) is still being written; raise if
+    one failed or the wait times out."""
     state = Path(state)
     deadline = time.monotonic() + timeout_s
     while True:
-        failed = sorted(state.rglob("*" + FAILED))
+        failed = sorted(state.rglob(pattern + FAILED))
         if failed:
             f = failed[0]
             raise OSError(f"writing {f.relative_to(state).as_posix()[:-len(FAILED)]} of {state} failed "
                           f"({f.read_text().strip()}); the state stays incomplete")
-        if not any(state.rglob("*" + WRITING)):
+        if not any(state.rglob(pattern + WRITING)):
             return
         if time.monotonic() > deadline:
             raise TimeoutError(f"the state files of {state} were still being written after {timeout_s:g} s")

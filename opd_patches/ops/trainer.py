@@ -215,7 +215,8 @@ class OpsTrainerMixin:
         how = f"{waited:.1f} s waited + {background_s:.1f} s in the background" if background else f"{waited:.1f} s"
         print(f"[opd] saved step {step}: receipt written, export validation "
               f"{ {True: 'ok', False: 'FAILED', None: 'skipped'}[ok] }, {how} (state write {out['write_wait_s']:.1f} s, "
-              f"export {out['export_s']:.1f} s, validation {out['validate_s']:.1f} s, hashing {out['hash_s']:.1f} s)"
+              f"export {out['export_s']:.1f} s, validation {out['validate_s']:.1f} s, hashing {out['hash_s']:.1f} s after it; "
+              f"the state's other files hashed beside them by {out.get('state_hashed_s', 0.0):.1f} s)"
               + (f"; pruned steps {removed}" if removed else ""), flush=True)
         if ok is False:
             print(f"[opd] WARNING: the step-{step} export failed validation: {validation['error']}; "
