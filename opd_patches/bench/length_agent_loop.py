@@ -16,6 +16,7 @@ class LengthProfileAgentLoop(SingleTurnAgentLoop):
     `log`: a JSONL file that gets one line per request ({step, key, profile, tokens}): the bench's
     record of what it asked for, which tests compare with VERL's own response-length metrics."""
 
+    # `name`: upstream instantiates the file's entry with every key it has, its name included (unused here)
     def __init__(self, *args, spec: str = "cap", seed: int = 0, log: str | None = None, name: str | None = None,
                  **kwargs):
         super().__init__(*args, **kwargs)

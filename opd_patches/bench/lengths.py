@@ -3,12 +3,12 @@
 Random weights never sample EOS, so every response of a bench step runs to the cap and every sequence
 ends at the same moment: the worst case. A profile gives each response a length drawn from a named
 distribution instead, and the rollout generates exactly that many tokens: `LengthProfileAgentLoop`
-(length_agent_loop.py: upstream's single-turn agent loop, registered through upstream's `agent_loop_config_path` file, never
-through opd_patches.register) puts `max_tokens` = the drawn length and `ignore_eos` into each request's
+(length_agent_loop.py: upstream's single-turn agent loop, named in the `agent_loop_config_path` file upstream
+reads, never registered by opd_patches.register) puts `max_tokens` = the drawn length and `ignore_eos` into each request's
 sampling parameters, which VERL's vLLM server and the hf backend both honour per request.
 
-A draw is a function of (seed, step, prompt, row index, sample number): two runs of one profile give
-the same lengths, and a bench's k1 and topk runs see the same ones. Lengths are clipped to the run's
+A draw is a function of (seed, step, prompt, row index, sample number): the same sample of the same
+step gets the same length in every run (k1 and topk batch different prompts, so their draws differ). Lengths are clipped to the run's
 `data.max_response_length` (the cap), as a real run's are.
 
 Profiles (PROFILES; `lognormal:MEDIAN:SIGMA` for any other):
