@@ -11,8 +11,7 @@ with a, b in 0..49: 2,500 pairs, split once (seeded) into 200 held-out questions
 supervised run (AdamW, warm-up then cosine decay) on the training pairs gives both models: the teacher
 is its end, the student an early snapshot that already writes the format but mostly gets the sum wrong.
 Which snapshot is measured, not fixed: the pass@1 of an early snapshot sits on the steep part of the
-learning curve, where float arithmetic moves it (step 200 gave 0.069 with 1 thread and 0.13 with 2 on
-one machine, and a 0.069 student gained only +0.245 in the learning test's 80 `topk` steps). The run
+learning curve, where float arithmetic (thread count, machine) moves it (docs/learning.md). The run
 keeps the snapshots at PARAMS["sft"]["student_steps"] and the student is the latest whose held-out
 pass@1 is at most STUDENT_TARGET (searched from student_steps' middle, so two or three evaluations);
 its step goes into the marker. Both are then evaluated by the project's own evaluation
@@ -165,22 +164,24 @@ def evaluate(model: Path, out: Path) -> dict:
     return run({"model": str(model), "suite": SUITE, "out": str(out), "backend": "hf", "batch_size": EVAL_BATCH})
 
 
-def _choose_student(tmp: Path) -> int:
-    """Move the latest candidate with held-out pass@1 <= STUDENT_TARGET to student/; return its step.
+def _choose_student(tmp: Path) -> tuple[int, dict]:
+    """Move the latest candidate with held-out pass@1 <= STUDENT_TARGET to student/ (its evaluation to
+    eval/student/); return its step and evaluation summary.
 
     pass@1 rises with the step, so the search walks from the middle candidate up while the next one
     stays at or below the target, or down until one does. The earliest candidate is taken when none does
     (the STUDENT_MAX check in _write then decides).
     """
     steps = PARAMS["sft"]["student_steps"]
-    scores: dict[int, float] = {}
+    summaries: dict[int, dict] = {}
 
     def score(i: int) -> float:
         step = steps[i]
-        if step not in scores:
-            scores[step] = evaluate(tmp / "candidates" / str(step), tmp / "candidates-eval" / str(step))["pass_at_1"]
-            print(f"[{NAME}] student candidate at step {step}: held-out pass@1 {scores[step]:.3f}", flush=True)
-        return scores[step]
+        if step not in summaries:
+            summaries[step] = evaluate(tmp / "candidates" / str(step), tmp / "candidates-eval" / str(step))
+            print(f"[{NAME}] student candidate at step {step}: held-out pass@1 "
+                  f"{summaries[step]['pass_at_1']:.3f}", flush=True)
+        return summaries[step]["pass_at_1"]
 
     i = len(steps) // 2
     if score(i) <= STUDENT_TARGET:
@@ -190,9 +191,11 @@ def _choose_student(tmp: Path) -> int:
         while i > 0 and score(i) > STUDENT_TARGET:
             i -= 1
     (tmp / "candidates" / str(steps[i])).rename(tmp / "student")
+    (tmp / "eval").mkdir()
+    (tmp / "candidates-eval" / str(steps[i])).rename(tmp / "eval" / "student")  # evaluated once, kept
     shutil.rmtree(tmp / "candidates")
     shutil.rmtree(tmp / "candidates-eval")
-    return steps[i]
+    return steps[i], summaries[steps[i]]
 
 
 def _write(tmp: Path) -> dict:
@@ -202,10 +205,10 @@ def _write(tmp: Path) -> dict:
     (tmp / "data").mkdir()
     _write_data(tmp / "data", parts)
     _train(tokenizer, parts["train"], tmp)
-    student_step = _choose_student(tmp)
+    student_step, student = _choose_student(tmp)
     figures = {}
     for who in ("student", "teacher"):
-        summary = evaluate(tmp / who, tmp / "eval" / who)
+        summary = student if who == "student" else evaluate(tmp / who, tmp / "eval" / who)
         figures[who] = {"pass_at_1": summary["pass_at_1"], "se_clustered": summary["se_clustered"],
                         "n_questions": summary["n_questions"], "n_samples": summary["n_samples"]}
         print(f"[{NAME}] {who}: held-out pass@1 {summary['pass_at_1']:.3f} +/- {summary['se_clustered']:.3f}", flush=True)
