@@ -13,7 +13,7 @@ is its end, the student an early snapshot that already writes the format but mos
 Which snapshot is measured, not fixed: the pass@1 of an early snapshot sits on the steep part of the
 learning curve, where float arithmetic (thread count, machine) moves it (docs/learning.md). The run
 keeps the snapshots at PARAMS["sft"]["student_steps"] and the student is the latest whose held-out
-pass@1 is at most STUDENT_TARGET (searched from student_steps' middle, so two or three evaluations);
+pass@1 is at most STUDENT_TARGET (searched from student_steps' middle: two to four evaluations);
 its step goes into the marker. Both are then evaluated by the project's own evaluation
 (opd_patches.eval: rule grader, question-clustered SE) on the 200 held-out questions at the recipes'
 sampling temperature 1.0; the figures go into the marker (`pass_at_1`) and the build fails when the
@@ -207,8 +207,7 @@ def _write(tmp: Path) -> dict:
     _train(tokenizer, parts["train"], tmp)
     student_step, student = _choose_student(tmp)
     figures = {}
-    for who in ("student", "teacher"):
-        summary = student if who == "student" else evaluate(tmp / who, tmp / "eval" / who)
+    for who, summary in (("student", student), ("teacher", evaluate(tmp / "teacher", tmp / "eval" / "teacher"))):
         figures[who] = {"pass_at_1": summary["pass_at_1"], "se_clustered": summary["se_clustered"],
                         "n_questions": summary["n_questions"], "n_samples": summary["n_samples"]}
         print(f"[{NAME}] {who}: held-out pass@1 {summary['pass_at_1']:.3f} +/- {summary['se_clustered']:.3f}", flush=True)
