@@ -265,3 +265,90 @@ def test_cli_dry_run_and_spec_error(tmp_path, capsys):
     assert not (out / "runs").exists()  # nothing ran
     assert main([str(write_spec(tmp_path, {**GOOD, "seeds": "x"}, "bad.yaml")), "--dry-run"]) == 2
     assert "`seeds`" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("checkpoints", ["every", "last"])
+def test_evaluations_during_training_follow_the_saves(tmp_path, monkeypatch, checkpoints):
+    """eval.during_training: the references first, then each state as its receipt appears (`last`: only once
+    the run is complete); nothing twice; finish() waits for the one running and starts nothing new."""
+    import threading
+    import time
+
+    from opd_patches.study import cli
+
+    student = tmp_path / "student"
+    student.mkdir()
+    data = {**GOOD, "arms": {"k1": []}, "seeds": [1], "references": {"student": str(student)},
+            "eval": {**GOOD["eval"], "checkpoints": checkpoints, "during_training": True}}
+    spec = load(write_spec(tmp_path, data))
+    assert load(write_spec(tmp_path, {**GOOD}, "plain.yaml")).eval["during_training"] is False
+    with pytest.raises(SpecError, match="eval.during_training"):
+        load(write_spec(tmp_path, {**GOOD, "eval": {**GOOD["eval"], "during_training": "yes"}}, "bad.yaml"))
+    [plan] = runner.plan_runs(spec, tmp_path / "out")
+    ran, gate = [], threading.Semaphore(0)
+
+    def fake_run_job(job, eval_spec):
+        ran.append(job.label if job.plan is None else job.step)
+        gate.release()
+        return {"state": "done", "detail": "", "seconds": 0.0}
+
+    monkeypatch.setattr(cli.evaluate, "run_job", fake_run_job)
+    monkeypatch.setattr(cli.runner, "POLL_S", 0.01)
+    during = cli.DuringTraining(spec, [plan], tmp_path / "out").start()
+    assert gate.acquire(timeout=10) and ran == ["reference"]
+    _fake_state(plan.run_dir, 1)
+    if checkpoints == "every":
+        assert gate.acquire(timeout=10) and ran == ["reference", 1]
+    _fake_state(plan.run_dir, 2)
+    time.sleep(0.2)
+    if checkpoints == "last":
+        assert ran == ["reference"]  # the run is not complete: its last state is not known yet
+        run_summary.write(plan.run_dir, "finished", 2, "reached 2")
+    assert gate.acquire(timeout=10)
+    time.sleep(0.2)
+    during.finish()
+    assert ran == (["reference", 1, 2] if checkpoints == "every" else ["reference", 2])
+    assert not during.thread.is_alive()
+
+
+def test_parallel_training_runs_side_by_side_in_plan_order(tmp_path, monkeypatch):
+    """`parallel: 2`: at most two launches at once, started in plan order; a complete run is skipped;
+    a StudyError in one run stops handing out the rest and reaches the caller."""
+    import threading
+    import time
+
+    from opd_patches.study import cli
+
+    spec = load(write_spec(tmp_path, {**GOOD, "parallel": 2, "arms": {"a": [], "b": [], "c": []}, "seeds": [1]}))
+    assert spec.parallel == 2 and load(write_spec(tmp_path, GOOD, "one.yaml")).parallel == 1
+    with pytest.raises(SpecError, match="parallel"):
+        load(write_spec(tmp_path, {**GOOD, "parallel": 0}, "zero.yaml"))
+    plans = runner.plan_runs(spec, tmp_path / "out")
+    done = {plans[0].run_dir}
+    started, live, peak, lock = [], [0], [0], threading.Lock()
+    monkeypatch.setattr(cli.runner, "status", lambda p, b: {"state": "complete" if p.run_dir in done else "new",
+                                                            "detail": "", "last_step": None})
+
+    def fake_launch(plan, progress):
+        plan.run_dir.mkdir(parents=True, exist_ok=True)
+        with lock:
+            started.append(plan.arm)
+            live[0] += 1
+            peak[0] = max(peak[0], live[0])
+        time.sleep(0.3)
+        with lock:
+            live[0] -= 1
+        return 0
+
+    monkeypatch.setattr(cli.runner, "launch", fake_launch)
+    plans.append(runner.plan_runs(load(write_spec(tmp_path, {**GOOD, "arms": {"d": []}, "seeds": [1]}, "d.yaml")),
+                                  tmp_path / "out")[0])
+    cli.train(spec, plans, retry_failed=False, parallel=2)
+    assert started == ["b", "c", "d"] and peak[0] == 2  # a was complete
+
+    def failing(plan, progress):
+        raise runner.StudyError(f"{plan.label}: leftover")
+
+    monkeypatch.setattr(cli.runner, "launch", failing)
+    with pytest.raises(runner.StudyError, match="leftover"):
+        cli.train(spec, plans, retry_failed=False, parallel=2)

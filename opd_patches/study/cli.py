@@ -1,9 +1,12 @@
-"""`make study SPEC=...` = `python -m opd_patches.study SPEC [--out DIR] [--force] [--retry-failed] [--dry-run] [--report-only]`
+"""`make study SPEC=...` = `python -m opd_patches.study SPEC [--out DIR] [--seeds N] [--parallel N] [--force] [--retry-failed] [--dry-run] [--report-only]`
 
 1. Validate the spec (opd_patches/study/spec.py) and plan every (arm, seed): `<out>/runs/<arm>/seed<S>`.
 2. Take the one-run lock once (opd_patches/ops/lock.py); every run.sh it starts inherits it through
    OPD_LOCK_HELD. Refused (another run holds it): exit 75.
-3. Train the runs one after another, skipping complete ones (runner.status), with a live progress line.
+3. Train the runs one after another (`parallel: N`: N side by side), skipping complete ones (runner.status), with
+   a live progress line.
+   With `eval.during_training`, a thread evaluates meanwhile: the references first, then each chosen state as
+   soon as its receipt is written (`last`: once its run is complete), one evaluation at a time.
 4. Evaluate the chosen checkpoints of the complete runs (evaluate.py), skipping complete evaluations.
 5. Write report.md, report.json, report.png (report.py).
 
@@ -20,6 +23,7 @@ import argparse
 import json
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -71,41 +75,119 @@ def _record(plan: runner.RunPlan, code: int, seconds: float) -> dict:
     return rec
 
 
-def train(spec, plans, retry_failed: bool) -> None:
-    walls = []
+def train(spec, plans, retry_failed: bool, parallel: int = 1) -> None:
+    """Every run not complete (nor failed, unless retry_failed), `parallel` at a time in plan order."""
+    todo = []
     for i, plan in enumerate(plans, 1):
         st = runner.status(plan, spec.budget)
         if st["state"] == "complete" or (st["state"] == "failed" and not retry_failed):
             log(f"run {i}/{len(plans)} {plan.label}: {st['state']} ({st['detail']}), skipped")
-            continue
-        left_after = sum(runner.status(p, spec.budget)["state"] not in ("complete", "failed") for p in plans[i:])
+        else:
+            todo.append((i, plan, st))
+    walls: list[float] = []
+    if parallel <= 1:
+        for k, (i, plan, st) in enumerate(todo):
+            _train_one(spec, plans, i, plan, st, walls, left_after=len(todo) - k - 1)
+        return
+    # Side by side (each run.sh starts its own Ray); daemon threads: an interrupted study exits, and each
+    # run's guard (PR_SET_PDEATHSIG) takes its tree down with it.
+    queue = list(enumerate(todo))
+    lock = threading.Lock()
+    errors: list[BaseException] = []
 
-        mean = sum(walls) / len(walls) if walls else None
+    def worker():
+        while True:
+            with lock:
+                if not queue or errors:
+                    return
+                k, (i, plan, st) = queue.pop(0)
+            try:
+                _train_one(spec, plans, i, plan, st, walls, left_after=len(queue))
+            except BaseException as exc:  # StudyError: stop handing out runs; the main thread raises it
+                errors.append(exc)
+                return
 
-        def study_status(left_after=left_after, mean=mean):
-            now = progress.eta()
-            if mean is None or now is None:  # unknown until a run of this study has ended
-                rest = ""
-            else:
-                rest = f", eta ~{human(mean * left_after + now)}"
-            return f"{left_after} run{'s' if left_after != 1 else ''} after this{rest}"
+    threads = [threading.Thread(target=worker, name=f"study-run-{n}", daemon=True) for n in range(min(parallel, len(todo)))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        while t.is_alive():
+            t.join(timeout=1.0)  # a timed join lets SIGINT/SIGTERM reach the main thread
+    if errors:
+        raise errors[0]
 
-        what = "resuming" if st["state"] == "partial" else "starting"
-        log(f"run {i}/{len(plans)} {plan.label}: {what} ({st['detail']}) in {plan.run_dir}")
-        progress = RunProgress(plan.run_dir, f"run {i}/{len(plans)} {plan.label}", spec.budget.get("steps"),
-                               spec.budget.get("wall_clock_s"), study_status, expected_s=mean)
-        started = time.monotonic()
-        try:
-            code = runner.launch(plan, progress)
-        except KeyboardInterrupt:
-            _record(plan, "interrupted", time.monotonic() - started)
-            raise
-        seconds = time.monotonic() - started
-        walls.append(seconds)
-        _record(plan, code, seconds)
-        st = runner.status(plan, spec.budget)
-        log(f"run {i}/{len(plans)} {plan.label}: exit {code} after {human(seconds)}: {st['state']} ({st['detail']})"
-            + ("" if st["state"] == "complete" else f"; log {plan.run_dir / 'run.log'}"))
+
+def _train_one(spec, plans, i: int, plan, st: dict, walls: list, left_after: int) -> None:
+    mean = sum(walls) / len(walls) if walls else None
+    progress = None
+
+    def study_status(left_after=left_after, mean=mean):
+        now = progress.eta() if progress is not None else None
+        if mean is None or now is None:  # unknown until a run of this study has ended
+            rest = ""
+        else:
+            rest = f", eta ~{human(mean * left_after + now)}"
+        return f"{left_after} run{'s' if left_after != 1 else ''} after this{rest}"
+
+    what = "resuming" if st["state"] == "partial" else "starting"
+    log(f"run {i}/{len(plans)} {plan.label}: {what} ({st['detail']}) in {plan.run_dir}")
+    progress = RunProgress(plan.run_dir, f"run {i}/{len(plans)} {plan.label}", spec.budget.get("steps"),
+                           spec.budget.get("wall_clock_s"), study_status, expected_s=mean)
+    started = time.monotonic()
+    try:
+        code = runner.launch(plan, progress)
+    except KeyboardInterrupt:
+        _record(plan, "interrupted", time.monotonic() - started)
+        raise
+    seconds = time.monotonic() - started
+    walls.append(seconds)
+    _record(plan, code, seconds)
+    st = runner.status(plan, spec.budget)
+    log(f"run {i}/{len(plans)} {plan.label}: exit {code} after {human(seconds)}: {st['state']} ({st['detail']})"
+        + ("" if st["state"] == "complete" else f"; log {plan.run_dir / 'run.log'}"))
+
+
+class DuringTraining:
+    """Evaluations that run while the study trains (`eval.during_training`), one at a time in a thread.
+
+    A job it started is not started again by it (a failure is left to evaluate_all, which runs after
+    `finish()`); evaluate_all skips what it completed. Stopped with the study, its evaluation's process
+    session goes down with the study process (runner.run_child's guard)."""
+
+    def __init__(self, spec, plans, out: Path):
+        self.spec, self.plans, self.out = spec, plans, out
+        self.started: set[Path] = set()
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._loop, name="study-eval", daemon=True)
+
+    def _pending(self) -> list:
+        jobs = evaluate.reference_jobs(self.spec, self.out)
+        for plan in self.plans:
+            # `last` is only known once the run is complete; `every` and listed steps as they are saved
+            if self.spec.eval["checkpoints"] != "last" or runner.status(plan, self.spec.budget)["state"] == "complete":
+                jobs += evaluate.jobs_for(plan, self.spec.eval, self.out)
+        return [j for j in jobs if not j.missing and j.out not in self.started and not evaluate.is_done(j, self.spec.eval)]
+
+    def _loop(self) -> None:
+        while not self.stop.is_set():
+            todo = self._pending()
+            if not todo:
+                self.stop.wait(runner.POLL_S)
+                continue
+            job = todo[0]
+            self.started.add(job.out)
+            res = evaluate.run_job(job, self.spec.eval)
+            log(f"eval during training: {job.name}: {res['state']}: {res['detail']}"
+                + (f" ({human(res['seconds'])})" if res["seconds"] else ""))
+
+    def start(self) -> "DuringTraining":
+        self.thread.start()
+        return self
+
+    def finish(self) -> None:
+        """No new evaluation; wait for the one running."""
+        self.stop.set()
+        self.thread.join()
 
 
 def evaluate_all(spec, plans, out: Path) -> tuple[list, dict]:
@@ -152,6 +234,7 @@ def main(argv=None) -> int:
     ap.add_argument("--force", action="store_true", help="start although another run holds the lock (opd.force)")
     ap.add_argument("--retry-failed", action="store_true", help="run again the runs that stopped on non-finite values")
     ap.add_argument("--seeds", type=int, help="run seeds 1..N of every arm instead of the spec's `seeds` (make learn SEEDS=N)")
+    ap.add_argument("--parallel", type=int, help="train this many runs side by side instead of the spec's `parallel`")
     ap.add_argument("--dry-run", action="store_true", help="print the plan (run.sh commands) and what is done; run nothing")
     ap.add_argument("--report-only", action="store_true", help="write the report from what is on disk; run nothing")
     args = ap.parse_args(argv)
@@ -165,6 +248,11 @@ def main(argv=None) -> int:
             print(f"[study] --seeds {args.seeds}: give a positive number of seeds", file=sys.stderr)
             return 2
         spec.seeds = list(range(1, args.seeds + 1))
+    if args.parallel is not None:
+        if args.parallel < 1:
+            print(f"[study] --parallel {args.parallel}: give a positive number of runs", file=sys.stderr)
+            return 2
+        spec.parallel = args.parallel
     for w in spec.warnings:
         log(f"warning: {w}")
     out = (args.out or REPO / "outputs" / "studies" / spec.name).resolve()
@@ -194,7 +282,14 @@ def main(argv=None) -> int:
     try:
         with lock.acquire(force=args.force, gpus=[] if device == "cpu" else None, run=out,
                           command=" ".join(sys.argv)):
-            train(spec, plans, args.retry_failed)
+            during = DuringTraining(spec, plans, out).start() if spec.eval["during_training"] else None
+            try:
+                train(spec, plans, args.retry_failed, spec.parallel)
+            finally:
+                if during is not None:
+                    during.stop.set()  # interrupted: start nothing new; the study's exit stops the one running
+            if during is not None:
+                during.finish()
             jobs, results = evaluate_all(spec, plans, out)
             return _finish(spec, plans, jobs, results, out)
     except lock.BUSY as exc:

@@ -12,6 +12,8 @@
     seeds: [1, 2]                     # each seed sets SEED_KEYS (data order, rollout sampling, actor)
     references: {student: .cache/addition/student}   # models evaluated as they are, beside the arms
     budget: {steps: 2}                # and/or {wall_clock_s: 3600, reserve_s: 600}
+    parallel: 1                       # runs trained side by side (each starts its own Ray; CPU studies:
+                                      #   one run leaves part of the cores idle; on one GPU keep 1)
     eval:
       suites: [math500]               # eval suite names or protocol .yaml paths
       checkpoints: last               # last | every | [20, 40]  (complete states on disk)
@@ -20,6 +22,8 @@
       max_new_tokens: 16
       teacher_kl: .cache/addition/teacher   # optional: also each model's teacher-KL (opd_patches/eval/teacher_kl.py)
       kl_samples: 1                   #   with this many fresh samples per question
+      during_training: false          # true: evaluate the references and each saved state while the study
+                                      #   trains on (a CPU study leaves a core idle; not on one GPU)
 
 Relative model paths (references, teacher_kl) are taken from the repository root.
 
@@ -50,10 +54,11 @@ SEED_KEYS = (
     "actor_rollout_ref.actor.data_loader_seed",
     "actor_rollout_ref.actor.fsdp_config.seed",
 )
-TOP_KEYS = ("name", "recipe", "env", "overrides", "arms", "control", "ablate", "seeds", "references", "budget", "eval")
+TOP_KEYS = ("name", "recipe", "env", "overrides", "arms", "control", "ablate", "seeds", "references", "budget", "eval",
+            "parallel")
 BUDGET_KEYS = ("steps", "wall_clock_s", "reserve_s")
 EVAL_KEYS = ("suites", "checkpoints", "limit", "samples", "max_new_tokens", "temperature", "top_p", "seed",
-             "backend", "data_dir", "args", "teacher_kl", "kl_samples")
+             "backend", "data_dir", "args", "teacher_kl", "kl_samples", "during_training")
 STUDY_SET = ("trainer.default_local_dir",)  # keys only the study may set
 ENV_REFUSED = {"OUTPUT_DIR": "the study puts each run in <out>/runs/<arm>/seed<S>",
                "RECIPE": "use `recipe: NAME` or `recipe=NAME` in an arm's overrides"}
@@ -86,6 +91,7 @@ class Spec:
     references: dict = field(default_factory=dict)  # name -> model folder, evaluated as is
     ablation: dict | None = None  # the arms module's output when `ablate` was used
     warnings: list[str] = field(default_factory=list)
+    parallel: int = 1  # runs trained side by side
 
     def arm(self, name: str) -> Arm:
         return next(a for a in self.arms if a.name == name)
@@ -217,7 +223,14 @@ def _eval(path, raw) -> dict:
         "args": _str_list(path, "eval.args", raw.get("args")),
         "teacher_kl": None if raw.get("teacher_kl") is None else model_path(raw["teacher_kl"]),
         "kl_samples": _number(path, "eval.kl_samples", raw.get("kl_samples"), int),
+        "during_training": _flag(path, "eval.during_training", raw.get("during_training", False)),
     }
+
+
+def _flag(path, key, value) -> bool:
+    if not isinstance(value, bool):
+        raise _err(path, key, f"must be true or false, got {value!r}")
+    return value
 
 
 def model_path(value) -> str:
@@ -345,4 +358,5 @@ def load(path: Path, compose=None) -> Spec:
         raise _err(path, "eval", "missing: give at least {suites: [math500]}")
     return Spec(path=path, name=name, recipe=recipe, env=_env(path, raw.get("env")), overrides=overrides, arms=arms,
                 control=control, seeds=list(seeds), budget=_budget(path, raw["budget"]), eval=_eval(path, raw["eval"]),
-                references=refs, ablation=ablation, warnings=warnings)
+                references=refs, ablation=ablation, warnings=warnings,
+                parallel=_number(path, "parallel", raw.get("parallel", 1), int))

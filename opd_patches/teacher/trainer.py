@@ -38,8 +38,10 @@ from verl.utils.import_utils import load_class_from_fqn
 
 from opd_patches.bench import profile_update
 from opd_patches.ops.trainer import OpsTrainerMixin
-from opd_patches.teacher.agent_loop import FQN as AGENT_LOOP_MANAGER_FQN
-from opd_patches.teacher.agent_loop import ColocatedTeacherAgentLoopManager
+# Not imported here: opd_patches.teacher.agent_loop. It defines the agent-loop worker, an actor class that a Ray
+# process may import first, and `import verl` there imports this module (VERL_USE_EXTERNAL_MODULES) while that
+# one is half-initialised; so this module imports it where it is used.
+AGENT_LOOP_MANAGER_FQN = "opd_patches.teacher.agent_loop.ColocatedTeacherAgentLoopManager"
 from opd_patches.teacher import old_log_prob
 from opd_patches.teacher.worker import ColocatedTeacherWorker
 
@@ -67,6 +69,8 @@ class ColocatedTeacherTrainer(OpsTrainerMixin, PPOTrainerSync):
     def __init__(self, config: DictConfig):
         if not config.get("distillation", {}).get("enabled", False):
             raise ValueError(f"trainer.v1.trainer_mode={NAME} needs distillation.enabled=true")
+        from opd_patches.teacher.agent_loop import ColocatedTeacherAgentLoopManager
+
         agent = config.actor_rollout_ref.rollout.agent
         manager = agent.get("agent_loop_manager_class")
         if manager is None:
@@ -103,6 +107,15 @@ class ColocatedTeacherTrainer(OpsTrainerMixin, PPOTrainerSync):
             max_token_len=s.get("max_token_len"),
             canary_every=int(1 if s.get("canary_every") is None else s["canary_every"]),
         )
+
+    def get_llm_client(self):
+        """One rollout replica (the single-GPU case): a client without the load balancer's round trips."""
+        from opd_patches.teacher.agent_loop import SingleServerClient
+
+        manager = self.llm_server_manager
+        if len(manager.server_handles) == 1:
+            return SingleServerClient(self.config, manager.server_addresses[0], manager.server_handles[0])
+        return super().get_llm_client()
 
     def _compute_old_log_prob(self, batch, metrics):
         with marked_timer("teacher", self.timing_raw, color="purple"):
