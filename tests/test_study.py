@@ -287,7 +287,8 @@ def test_evaluations_during_training_follow_the_saves(tmp_path, monkeypatch, che
     [plan] = runner.plan_runs(spec, tmp_path / "out")
     ran, gate = [], threading.Semaphore(0)
 
-    def fake_run_job(job, eval_spec):
+    def fake_run_job(job, eval_spec, shared_cores=False):
+        assert shared_cores
         ran.append(job.label if job.plan is None else job.step)
         gate.release()
         return {"state": "done", "detail": "", "seconds": 0.0}
@@ -312,8 +313,9 @@ def test_evaluations_during_training_follow_the_saves(tmp_path, monkeypatch, che
 
 
 def test_parallel_training_runs_side_by_side_in_plan_order(tmp_path, monkeypatch):
-    """`parallel: 2`: at most two launches at once, started in plan order; a complete run is skipped;
-    a StudyError in one run stops handing out the rest and reaches the caller."""
+    """`parallel: 2`: at most two launches at once, started in plan order, each once the one before it has
+    logged step 1; a complete run is skipped; a StudyError in one run stops handing out the rest and
+    reaches the caller."""
     import threading
     import time
 
@@ -325,16 +327,23 @@ def test_parallel_training_runs_side_by_side_in_plan_order(tmp_path, monkeypatch
         load(write_spec(tmp_path, {**GOOD, "parallel": 0}, "zero.yaml"))
     plans = runner.plan_runs(spec, tmp_path / "out")
     done = {plans[0].run_dir}
-    started, live, peak, lock = [], [0], [0], threading.Lock()
+    started, logged, live, peak, lock = [], [], [0], [0], threading.Lock()
     monkeypatch.setattr(cli.runner, "status", lambda p, b: {"state": "complete" if p.run_dir in done else "new",
                                                             "detail": "", "last_step": None})
 
-    def fake_launch(plan, progress):
+    def fake_launch(plan, progress, shared_cores=False):
+        assert shared_cores  # two runs side by side: one thread per process
         plan.run_dir.mkdir(parents=True, exist_ok=True)
         with lock:
+            assert live[0] == 0 or logged, "started before the previous run logged a step"
             started.append(plan.arm)
             live[0] += 1
             peak[0] = max(peak[0], live[0])
+        time.sleep(0.1)
+        (plan.run_dir / "metrics.jsonl").write_text(json.dumps({"step": 1, "data": {}}) + "\n")
+        with lock:
+            logged.append(plan.arm)
+            progress.poll()  # what run_child does every POLL_S
         time.sleep(0.3)
         with lock:
             live[0] -= 1
@@ -346,9 +355,16 @@ def test_parallel_training_runs_side_by_side_in_plan_order(tmp_path, monkeypatch
     cli.train(spec, plans, retry_failed=False, parallel=2)
     assert started == ["b", "c", "d"] and peak[0] == 2  # a was complete
 
-    def failing(plan, progress):
+    def failing(plan, progress, shared_cores=False):
         raise runner.StudyError(f"{plan.label}: leftover")
 
     monkeypatch.setattr(cli.runner, "launch", failing)
     with pytest.raises(runner.StudyError, match="leftover"):
         cli.train(spec, plans, retry_failed=False, parallel=2)
+
+
+def test_shared_cores_env_sets_one_thread_unless_the_caller_did(monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert runner.shared_cores_env({"A": "1"}) == {"A": "1", "OMP_NUM_THREADS": "1"}
+    monkeypatch.setenv("OMP_NUM_THREADS", "4")
+    assert runner.shared_cores_env({"A": "1"}) == {"A": "1"}

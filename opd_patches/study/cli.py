@@ -89,11 +89,15 @@ def train(spec, plans, retry_failed: bool, parallel: int = 1) -> None:
         for k, (i, plan, st) in enumerate(todo):
             _train_one(spec, plans, i, plan, st, walls, left_after=len(todo) - k - 1)
         return
-    # Side by side (each run.sh starts its own Ray); daemon threads: an interrupted study exits, and each
-    # run's guard (PR_SET_PDEATHSIG) takes its tree down with it.
+    # Side by side (each run.sh starts its own Ray), each started once the one before it has logged a step:
+    # start-ups (a dozen processes importing torch and VERL) at once on a small machine slow each other down
+    # (and can miss Ray's start-up deadline). Daemon threads: an interrupted study exits, and each run's guard
+    # (PR_SET_PDEATHSIG) takes its tree down with it.
     queue = list(enumerate(todo))
     lock = threading.Lock()
     errors: list[BaseException] = []
+    previous = [threading.Event()]
+    previous[0].set()
 
     def worker():
         while True:
@@ -101,11 +105,17 @@ def train(spec, plans, retry_failed: bool, parallel: int = 1) -> None:
                 if not queue or errors:
                     return
                 k, (i, plan, st) = queue.pop(0)
+                gate, mine = previous[0], threading.Event()
+                previous[0] = mine
+            while not gate.wait(timeout=1.0) and not errors:
+                pass
             try:
-                _train_one(spec, plans, i, plan, st, walls, left_after=len(queue))
+                _train_one(spec, plans, i, plan, st, walls, left_after=len(queue), first_step=mine)
             except BaseException as exc:  # StudyError: stop handing out runs; the main thread raises it
                 errors.append(exc)
                 return
+            finally:
+                mine.set()
 
     threads = [threading.Thread(target=worker, name=f"study-run-{n}", daemon=True) for n in range(min(parallel, len(todo)))]
     for t in threads:
@@ -117,7 +127,21 @@ def train(spec, plans, retry_failed: bool, parallel: int = 1) -> None:
         raise errors[0]
 
 
-def _train_one(spec, plans, i: int, plan, st: dict, walls: list, left_after: int) -> None:
+class _Polled:
+    """The run's progress, as runner.launch polls it, also setting `started` once step 1 is logged."""
+
+    def __init__(self, progress: RunProgress, started: threading.Event):
+        self.progress, self.started = progress, started
+
+    def poll(self):
+        line = self.progress.poll()
+        if self.progress.step >= 1:
+            self.started.set()
+        return line
+
+
+def _train_one(spec, plans, i: int, plan, st: dict, walls: list, left_after: int,
+               first_step: threading.Event | None = None) -> None:
     mean = sum(walls) / len(walls) if walls else None
     progress = None
 
@@ -135,7 +159,8 @@ def _train_one(spec, plans, i: int, plan, st: dict, walls: list, left_after: int
                            spec.budget.get("wall_clock_s"), study_status, expected_s=mean)
     started = time.monotonic()
     try:
-        code = runner.launch(plan, progress)
+        shared = spec.parallel > 1 or spec.eval["during_training"]
+        code = runner.launch(plan, progress if first_step is None else _Polled(progress, first_step), shared)
     except KeyboardInterrupt:
         _record(plan, "interrupted", time.monotonic() - started)
         raise
@@ -176,7 +201,7 @@ class DuringTraining:
                 continue
             job = todo[0]
             self.started.add(job.out)
-            res = evaluate.run_job(job, self.spec.eval)
+            res = evaluate.run_job(job, self.spec.eval, shared_cores=True)
             log(f"eval during training: {job.name}: {res['state']}: {res['detail']}"
                 + (f" ({human(res['seconds'])})" if res["seconds"] else ""))
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from opd_patches.ops import checkpoints, receipts
-from opd_patches.study.runner import RunPlan, run_child
+from opd_patches.study.runner import RunPlan, run_child, shared_cores_env
 from opd_patches.study.spec import suite_folder
 
 # spec eval key -> the harness's command-line flag (and its summary["protocol"] key)
@@ -131,7 +131,7 @@ def command(job: EvalJob, eval_spec: dict) -> list[str]:
     return cmd + list(eval_spec["args"])
 
 
-def run_job(job: EvalJob, eval_spec: dict) -> dict:
+def run_job(job: EvalJob, eval_spec: dict, shared_cores: bool = False) -> dict:
     """Run (or skip) one evaluation: {"state": done|skipped|missing|failed, "detail", "seconds"}."""
     if job.missing:
         return {"state": "missing", "detail": job.missing, "seconds": 0.0}
@@ -139,6 +139,8 @@ def run_job(job: EvalJob, eval_spec: dict) -> dict:
         return {"state": "skipped", "detail": "already complete", "seconds": 0.0}
     started = time.monotonic()
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    if shared_cores:  # beside a training (eval.during_training)
+        env = shared_cores_env(env)
     code = run_child(command(job, eval_spec), env, job.out / "eval.log")
     seconds = round(time.monotonic() - started, 1)
     s = read_summary(job)

@@ -172,14 +172,26 @@ def run_child(cmd: list[str], env: dict, log_path: Path, child_file: Path | None
     return code
 
 
-def run_env(plan: RunPlan) -> dict:
-    env = {**os.environ, **plan.env, "OUTPUT_DIR": str(plan.run_dir), "PYTHONUNBUFFERED": "1"}
-    env.setdefault("PYTHON", sys.executable)
+def shared_cores_env(env: dict) -> dict:
+    """For a process that shares the machine's cores with other runs: one OpenMP/torch thread per process
+    (unless the caller's environment sets it). Every process of a run spinning up as many threads as there
+    are cores oversubscribes them: two 2-thread evaluations side by side on 2 cores took 40.9 s, with one
+    thread each 14.9 s (docs/bench/history.md, 2026-12-03)."""
+    if "OMP_NUM_THREADS" not in os.environ:
+        env = {**env, "OMP_NUM_THREADS": "1"}
     return env
 
 
-def launch(plan: RunPlan, progress) -> int:
-    """Launch (or resume) one run; returns run.sh's exit status."""
+def run_env(plan: RunPlan, shared_cores: bool = False) -> dict:
+    env = {**os.environ, **plan.env, "OUTPUT_DIR": str(plan.run_dir), "PYTHONUNBUFFERED": "1"}
+    env.setdefault("PYTHON", sys.executable)
+    return shared_cores_env(env) if shared_cores else env
+
+
+def launch(plan: RunPlan, progress, shared_cores: bool = False) -> int:
+    """Launch (or resume) one run; returns run.sh's exit status. `shared_cores`: other runs or evaluations
+    of the study run beside it (shared_cores_env; Ray's workers inherit the variable)."""
     check_identity(plan)
     check_no_leftover(plan)
-    return run_child(plan.command(), run_env(plan), plan.run_dir / "run.log", plan.run_dir / CHILD, progress.poll)
+    return run_child(plan.command(), run_env(plan, shared_cores), plan.run_dir / "run.log", plan.run_dir / CHILD,
+                     progress.poll)
