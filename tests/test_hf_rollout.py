@@ -307,6 +307,32 @@ def test_concurrent_requests_are_batched(models, sharp_path):
         assert o.token_ids == greedy_ref(model, prompt, 10)
 
 
+def test_requests_sent_over_time_are_batched_until_a_quiet_window(sharp_path, monkeypatch):
+    """Requests arriving every ~5 ms (as an agent loop sends a step's samples) form one generate() call,
+    not one per fixed window; a pause longer than the window, or BATCH_MAX_WAIT_S, closes the batch."""
+    server = make_server(sharp_path)
+    sizes = spy_groups(server)
+    params = {"temperature": 0.0, "max_tokens": 2}
+
+    async def send(prompts, gap_s, pause_after=None, pause_s=0.0):
+        tasks = []
+        for i, p in enumerate(prompts):
+            tasks.append(asyncio.ensure_future(server.generate(p, dict(params), request_id=f"r{i}")))
+            await asyncio.sleep(pause_s if i == pause_after else gap_s)
+        return await asyncio.gather(*tasks)
+
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(12)]
+    asyncio.run(send(prompts, 0.005))  # 12 x 5 ms = 60 ms: three fixed 20 ms windows
+    assert sizes == [12]
+    sizes.clear()
+    asyncio.run(send(prompts, 0.002, pause_after=5, pause_s=5 * hr.BATCH_WINDOW_S))
+    assert sizes == [6, 6]
+    sizes.clear()
+    monkeypatch.setattr(hr, "BATCH_MAX_WAIT_S", 0.03)
+    asyncio.run(send(prompts, 0.01))
+    assert len(sizes) > 1 and sum(sizes) == 12
+
+
 def test_sampling(models, sharp_path):
     model, server = models["sharp"], make_server(sharp_path)
     vocab = model.config.vocab_size

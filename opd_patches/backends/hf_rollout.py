@@ -38,8 +38,12 @@ logger = logging.getLogger(__name__)
 # Positions scored per lm_head call when computing prompt log-probs: bounds the (chunk, V) fp32
 # tensor instead of materialising (T, V) for a whole sequence.
 LOGPROB_CHUNK = 1024
-# How long the server waits for more requests before running a batch.
+# The server runs a batch once no request arrived for BATCH_WINDOW_S (or max_num_seqs are waiting, or
+# BATCH_MAX_WAIT_S passed since the first): the agent loop sends a step's requests over several hundred
+# milliseconds, and a fixed 20 ms window cut 128 of them into 2-3 generate() calls costing 1.1-1.6 s of CPU
+# where one call takes 0.6-0.9 s (docs/learning.md).
 BATCH_WINDOW_S = 0.02
+BATCH_MAX_WAIT_S = 1.0
 
 
 def server_name(replica_rank: int, node_rank: int = 0, role: str = "", suffix: str = "") -> str:
@@ -160,7 +164,13 @@ class HFServer:
     async def _drain(self):
         try:
             while self._queue:
-                await asyncio.sleep(BATCH_WINDOW_S)
+                loop = asyncio.get_running_loop()
+                deadline = loop.time() + BATCH_MAX_WAIT_S
+                while True:
+                    seen = len(self._queue)
+                    await asyncio.sleep(BATCH_WINDOW_S)
+                    if len(self._queue) == seen or len(self._queue) >= self.config.max_num_seqs or loop.time() >= deadline:
+                        break
                 batch, self._queue = self._queue[: self.config.max_num_seqs], self._queue[self.config.max_num_seqs :]
                 groups = defaultdict(list)
                 for req, fut in batch:
