@@ -93,7 +93,7 @@ def train(spec, plans, retry_failed: bool, parallel: int = 1) -> None:
     # start-ups (a dozen processes importing torch and VERL) at once on a small machine slow each other down
     # (and can miss Ray's start-up deadline). Daemon threads: an interrupted study exits, and each run's guard
     # (PR_SET_PDEATHSIG) takes its tree down with it.
-    queue = list(enumerate(todo))
+    queue = list(todo)
     lock = threading.Lock()
     errors: list[BaseException] = []
     previous = [threading.Event()]
@@ -104,7 +104,7 @@ def train(spec, plans, retry_failed: bool, parallel: int = 1) -> None:
             with lock:
                 if not queue or errors:
                     return
-                k, (i, plan, st) = queue.pop(0)
+                i, plan, st = queue.pop(0)
                 gate, mine = previous[0], threading.Event()
                 previous[0] = mine
             while not gate.wait(timeout=1.0) and not errors:
@@ -128,7 +128,7 @@ def train(spec, plans, retry_failed: bool, parallel: int = 1) -> None:
 
 
 class _Polled:
-    """The run's progress, as runner.launch polls it, also setting `started` once step 1 is logged."""
+    """The run's progress as runner.launch polls it; also sets `started` once the run has logged step 1."""
 
     def __init__(self, progress: RunProgress, started: threading.Event):
         self.progress, self.started = progress, started
