@@ -1,7 +1,7 @@
 """Export validation: is a saved Hugging Face export a usable model?
 
     python -m opd_patches.validate PATH [--initial MODEL_DIR] [--expected-params N | --expected-from MODEL]
-                                        [--dtype float32] [--json OUT]
+                                        [--dtype float32] [--load-dtype float32] [--json OUT]
 
 PATH is an export folder (`.../global_step_N/actor/huggingface`), a state folder (`global_step_N`)
 or a run folder (its newest complete state, else its newest state folder).
@@ -14,12 +14,17 @@ count equals the expected one (--expected-params; or the count known for the mod
 config; default: derived from the export's own config); every weight finite; (with --initial)
 weights differ from the initial model, i.e. training moved them; a short greedy generation runs.
 Exit 0 and a JSON result when valid, exit 1 naming the failed check otherwise. The result's
-`checks` maps each check passed to what was measured (the trainer stores it in the receipt).
+`checks` maps each check passed to what was measured (the trainer stores it in the receipt), `seconds`
+what each stage took.
+
+The model is loaded in the dtype its tensors are stored in (--load-dtype overrides; float32 for .bin
+exports), as vLLM and the evaluation load it: an upcast to float32 doubles the bytes every check reads.
 """
 
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -95,13 +100,22 @@ class _Checks:
 
 
 def validate_export(
-    export: Path, initial: Path | None = None, expected_params: int | None = None, dtype: str | None = None
+    export: Path, initial: Path | None = None, expected_params: int | None = None, dtype: str | None = None,
+    load_dtype: str | None = None,
 ) -> dict:
-    """Validate one export folder; returns the measured facts (with `checks`) or raises ExportInvalid."""
+    """Validate one export folder; returns the measured facts (with `checks` and `seconds`) or raises
+    ExportInvalid. load_dtype: the dtype to load in (default: the stored one, float32 for .bin files)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
     export = Path(export)
     c = _Checks(export)
+    seconds, t = {}, time.perf_counter()
+
+    def lap(stage: str) -> None:
+        nonlocal t
+        now = time.perf_counter()
+        seconds[stage] = round(now - t, 3)
+        t = now
     c.require(export.is_dir(), "exists", "no such folder")
     c.require((export / "config.json").exists(), "config", "config.json missing")
     c.require(
@@ -122,17 +136,22 @@ def validate_export(
                   sorted(names)[0])
 
     config = AutoConfig.from_pretrained(export)
+    if load_dtype is None:
+        load_dtype = FLOAT_DTYPES[next(iter(stored))] if len(stored) == 1 and stored <= set(FLOAT_DTYPES) else "float32"
+    lap("files")
     try:
-        model = AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(export, dtype=getattr(torch, load_dtype))
     except Exception as exc:  # any loading error makes the export unusable
         raise ExportInvalid(f"{export}: load: {type(exc).__name__}: {exc}", c.passed) from exc
     c.passed["load"] = True
+    lap("load")
     count = sum(p.numel() for p in model.parameters())
     source = "given" if expected_params is not None else "from config.json"
     expected = int(expected_params) if expected_params is not None else expected_parameter_count(config)
     c.require(count == expected, "parameter count", f"{count:,} loaded, {expected:,} expected ({source})", count)
     bad = [n for n, p in model.named_parameters() if not torch.isfinite(p).all()]
     c.require(not bad, "finite weights", f"non-finite values in {bad[:3]}")
+    lap("finite")
 
     result = {"export": str(export), "parameters": count, "dtype": str(config.dtype), "weights": weights}
     if stored:
@@ -141,9 +160,10 @@ def validate_export(
         ref = AutoModelForCausalLM.from_pretrained(initial, dtype=torch.float32).state_dict()
         own = model.state_dict()
         c.require(set(ref) == set(own), "same architecture as initial", f"parameter names differ from {initial}")
-        delta = max((own[k] - ref[k]).abs().max().item() for k in own)
+        delta = max((own[k].float() - ref[k]).abs().max().item() for k in own)
         c.require(delta > 0, "trained", f"weights identical to the initial model {initial}", delta)
         result["max_abs_change_vs_initial"] = delta
+        lap("initial")
 
     tokenizer = AutoTokenizer.from_pretrained(export)
     GenerationConfig.from_pretrained(export)
@@ -153,16 +173,17 @@ def validate_export(
     new = out[0, prompt["input_ids"].shape[1] :]
     result["generated"] = tokenizer.decode(new)
     c.require(new.numel() == GENERATE_TOKENS, "generate", f"{new.numel()} tokens generated", result["generated"])
-    result["checks"] = c.passed
+    lap("generate")
+    result["checks"], result["loaded_as"], result["seconds"] = c.passed, load_dtype, seconds
     return result
 
 
 def check(export: Path, initial: Path | None = None, expected_params: int | None = None, dtype: str | None = None,
-          expected_from: str | None = None) -> dict:
+          expected_from: str | None = None, load_dtype: str | None = None) -> dict:
     """`validate_export` as one JSON-able answer: {"valid": True, ...facts} or {"valid": False, "reason", "checks"}."""
     try:
         expected = expected_parameters_for(expected_from) if expected_from else expected_params
-        return {"valid": True, **validate_export(export, initial, expected, dtype)}
+        return {"valid": True, **validate_export(export, initial, expected, dtype, load_dtype)}
     except ExportInvalid as exc:
         return {"valid": False, "reason": str(exc), "checks": exc.checks}
     except Exception as exc:  # e.g. an unreadable --expected-from config: still one answer
@@ -177,10 +198,13 @@ def main(argv=None) -> int:
     group.add_argument("--expected-params", type=int, help="parameter count the export must have")
     group.add_argument("--expected-from", help="student (hub id or folder) whose parameter count the export must have")
     parser.add_argument("--dtype", help="dtype every stored tensor must have (e.g. float32, bfloat16)")
+    parser.add_argument("--load-dtype", choices=sorted(set(FLOAT_DTYPES.values())),
+                        help="load the model in this dtype (default: the stored one)")
     parser.add_argument("--json", type=Path, help="also write the result here")
     args = parser.parse_args(argv)
     export = resolve_export(args.export)
-    result = check(export, args.initial, args.expected_params, args.dtype, expected_from=args.expected_from)
+    result = check(export, args.initial, args.expected_params, args.dtype, expected_from=args.expected_from,
+                   load_dtype=args.load_dtype)
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))
     print(("export valid: " if result["valid"] else "export INVALID: ") + json.dumps(result))

@@ -37,6 +37,24 @@ def test_expected_count_and_dtype(embedded):
         validate.validate_export(student, dtype="bfloat16")
 
 
+def test_loads_in_the_stored_dtype_unless_told(embedded, tmp_path):
+    """A bf16 export is checked in bf16 (what vLLM loads), float32 on request; each stage is timed; the
+    comparison with the (float32) initial model works across the two dtypes."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    export = tmp_path / "bf16"
+    shutil.copytree(embedded["student"], export)
+    model = AutoModelForCausalLM.from_pretrained(embedded["student"], dtype=torch.bfloat16)
+    model.save_pretrained(export)
+    result = validate.validate_export(export, initial=embedded["student"], dtype="bfloat16")
+    assert result["loaded_as"] == result["stored_dtype"] == "bfloat16"
+    assert set(result["seconds"]) == {"files", "load", "finite", "initial", "generate"}
+    assert result["max_abs_change_vs_initial"] > 0  # the bf16 rounding of the float32 initial weights
+    upcast = validate.validate_export(export, load_dtype="float32")
+    assert upcast["loaded_as"] == "float32" and upcast["parameters"] == result["parameters"]
+
+
 def test_known_student_count():
     # The table answers without a download; the figure is R1-Distill-Qwen-1.5B's (untied embeddings).
     assert validate.expected_parameters_for("deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B") == 1_777_088_000

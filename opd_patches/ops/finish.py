@@ -106,7 +106,8 @@ def validated_here(state: Path, expected_params: int | None, timeout_s: float) -
 
 def _receipt_validation(result: dict) -> dict:
     return {"ok": bool(result["valid"]), "checks": result.get("checks", {}), "error": result.get("reason"),
-            "parameters": result.get("parameters"), "stored_dtype": result.get("stored_dtype")}
+            "parameters": result.get("parameters"), "stored_dtype": result.get("stored_dtype"),
+            "loaded_as": result.get("loaded_as"), "seconds": result.get("seconds")}
 
 
 # The files the HF export is built from (state_export.py): the export starts once these are on disk, while

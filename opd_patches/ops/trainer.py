@@ -217,6 +217,7 @@ class OpsTrainerMixin:
               f"{ {True: 'ok', False: 'FAILED', None: 'skipped'}[ok] }, {how} (state write {out['write_wait_s']:.1f} s, "
               f"export {out['export_s']:.1f} s, validation {out['validate_s']:.1f} s, hashing {out['hash_s']:.1f} s after it; "
               f"the state's other files hashed beside them by {out.get('state_hashed_s', 0.0):.1f} s)"
+              + _stages(validation)
               + (f"; pruned steps {removed}" if removed else ""), flush=True)
         if ok is False:
             print(f"[opd] WARNING: the step-{step} export failed validation: {validation['error']}; "
@@ -380,6 +381,12 @@ class OpsTrainerMixin:
                           step_s=[round(x, 2) for x in self.ops_clock.steps],
                           save_s=[round(x, 2) for x in self.ops_clock.saves], **extra)
         print(summary.line(s), flush=True)
+
+
+def _stages(validation: dict | None) -> str:
+    """The validation's own stages (validate.py `seconds`), for the save line."""
+    stages = (validation or {}).get("seconds") or {}
+    return f"; validation stages {', '.join(f'{k} {v:.1f} s' for k, v in stages.items())}" if stages else ""
 
 
 @register_trainer(NAME)
