@@ -116,6 +116,7 @@ def validate_export(
         now = time.perf_counter()
         seconds[stage] = round(now - t, 3)
         t = now
+
     c.require(export.is_dir(), "exists", "no such folder")
     c.require((export / "config.json").exists(), "config", "config.json missing")
     c.require(
@@ -136,8 +137,8 @@ def validate_export(
                   sorted(names)[0])
 
     config = AutoConfig.from_pretrained(export)
-    if load_dtype is None:
-        load_dtype = FLOAT_DTYPES[next(iter(stored))] if len(stored) == 1 and stored <= set(FLOAT_DTYPES) else "float32"
+    stored_name = FLOAT_DTYPES[next(iter(stored))] if stored else None  # one floating dtype: checked above
+    load_dtype = load_dtype or stored_name or "float32"
     lap("files")
     try:
         model = AutoModelForCausalLM.from_pretrained(export, dtype=getattr(torch, load_dtype))
@@ -155,7 +156,7 @@ def validate_export(
 
     result = {"export": str(export), "parameters": count, "dtype": str(config.dtype), "weights": weights}
     if stored:
-        result["stored_dtype"] = FLOAT_DTYPES.get(next(iter(stored)), next(iter(stored)))
+        result["stored_dtype"] = stored_name
     if initial is not None:
         ref = AutoModelForCausalLM.from_pretrained(initial, dtype=torch.float32).state_dict()
         own = model.state_dict()
