@@ -127,5 +127,6 @@ def test_rebuild_skipped_and_deterministic(assets):
     build(root)
     after = _snapshot(root)
     assert after.keys() == before.keys()
-    assert all(after[k][1] == before[k][1] for k in before)
+    changed = [str(k) for k in before if after[k][1] != before[k][1]]
+    assert not changed, f"rebuilt with other bytes: {changed}"
     assert not list(root.glob(".tmp-*"))  # temp dir cleaned up

@@ -25,6 +25,8 @@ upstream's fit loop already calls:
 - the replay buffer's poll (`opd.replay_poll_s`): upstream's sync sampler sleeps a fixed 2 s between
   looks at TransferQueue while the rollout runs (`ReplayBuffer.poll_interval`, no config key), so every
   generation took a whole number of 2-s periods (a CPU step's 0.4 s of sampling logged 2.02 s).
+- a dead rollout-side actor (liveness.py, `opd.liveness_check_s`): checked while the trainer waits for a
+  step's samples; the run stops with the actors named instead of waiting for ever.
 
 `opd_sync` (`trainer.v1.trainer_mode=opd_sync`, what opd_patches.main picks for the standalone
 teacher) = `PPOTrainerSync` + this mixin; the colocated teacher's `colocated_teacher` mode uses the
@@ -44,7 +46,7 @@ from opd_patches.backends import cpu_platform  # noqa: F401, I001
 from verl.trainer.ppo.v1.trainer_base import register_trainer
 from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 
-from opd_patches.ops import checkpoints, finish, guard, summary
+from opd_patches.ops import checkpoints, finish, guard, liveness, summary
 from opd_patches.ops.budget import WallClock
 
 NAME = "opd_sync"
@@ -116,6 +118,10 @@ class OpsTrainerMixin:
         if isinstance(poll, bool) or not isinstance(poll, (int, float)) or poll <= 0:
             raise ValueError(f"opd.replay_poll_s={poll!r}: a positive number of seconds.")
         self.replay_buffer.poll_interval = float(poll)
+        every = opd.get("liveness_check_s", liveness.DEFAULT_EVERY_S)
+        if isinstance(every, bool) or not isinstance(every, (int, float)) or every <= 0:
+            raise ValueError(f"opd.liveness_check_s={every!r}: a positive number of seconds.")
+        liveness.install(self.replay_buffer, lambda: liveness.rollout_actors(self), float(every))
 
     # ---- resume ---------------------------------------------------------------------------
     def _load_checkpoint(self):
