@@ -40,14 +40,14 @@ def test_a_large_export_is_validated_in_a_child_a_tiny_one_in_process(tmp_path, 
     """Exports over IN_PROCESS_BYTES (every real model) go to the CPU-only child; the same answer either way,
     good and bad (the tiny student with a planted wrong parameter count)."""
     calls, here = [], threading.get_ident()
-    real_run = subprocess.run
+    real_popen = subprocess.Popen
 
-    def counted(*a, **k):  # subprocess.run is process-wide: the pool's threads call it too (ps, run.sh)
+    def counted(*a, **k):  # subprocess.Popen is process-wide: the pool's threads call it too (ps, run.sh)
         if threading.get_ident() == here:
             calls.append(a[0])
-        return real_run(*a, **k)
+        return real_popen(*a, **k)
 
-    monkeypatch.setattr(finish.subprocess, "run", counted)
+    monkeypatch.setattr(finish.subprocess, "Popen", counted)
     export = embedded["student"]
     answers = {}
     for limit in (finish.IN_PROCESS_BYTES, 0):
@@ -60,6 +60,39 @@ def test_a_large_export_is_validated_in_a_child_a_tiny_one_in_process(tmp_path, 
     assert good_in == good_child and good_in["ok"] is True
     assert bad_in["ok"] is bad_child["ok"] is False and "parameter count" in bad_child["error"]
     assert bad_in["checks"] == bad_child["checks"]
+
+
+@pytest.mark.fresh_process
+def test_the_validator_starts_with_the_finish_and_ends_with_it(tmp_path, embedded, monkeypatch):
+    """A large export's validator is started before the export exists (its imports beside the writes and the
+    build), validates once told to, and is ended when the finish fails before its validation."""
+    import shutil
+
+    monkeypatch.setattr(finish, "IN_PROCESS_BYTES", 0)
+    assert finish.large(embedded["student"], None) and finish.large(tmp_path, 10**6)
+    assert not finish.large(tmp_path, None)  # no count, no config.json: unknown, started when the export is there
+    started = []
+    real = finish.Validator
+
+    class Seen(real):
+        def __init__(self, *a, **k):
+            super().__init__(*a, **k)
+            started.append(self)
+
+    monkeypatch.setattr(finish, "Validator", Seen)
+    state = make_state(tmp_path, 1, complete=False)
+    shutil.rmtree(state / receipts.HF_EXPORT)
+    shutil.copytree(embedded["student"], state / receipts.HF_EXPORT)
+    out = finish.finish(state, 1, validate=True, expected_params=None, timeout_s=600)
+    assert len(started) == 1 and started[0].proc.returncode == 0
+    assert out["validation"]["ok"] is True and out["validation"]["parameters"] > 0, out
+    assert json.loads((state / receipts.NAME).read_text())["validation"] == out["validation"]
+
+    failing = make_state(tmp_path, 2, complete=False)
+    monkeypatch.setattr(finish.receipts, "wait_for_writes", lambda *a, **k: (_ for _ in ()).throw(TimeoutError("writes")))
+    out = finish.finish(failing, 2, validate=True, expected_params=10**6, timeout_s=600)
+    assert out["error"] == "writes" and len(started) == 2
+    assert started[1].proc.poll() is not None  # not left running after the finish
 
 
 def test_a_tiny_export_is_validated_by_the_trainer_and_its_finish_imports_no_torch(tmp_path, embedded, monkeypatch):
