@@ -16,7 +16,7 @@ def test_decode_is_a_registered_phase_with_its_arguments(tmp_path, monkeypatch):
     seen = {}
 
     def fake_phase(size, args):  # stands in for the GPU work: what the CLI hands the phase
-        seen.update(batches=args.batches, tokens=args.tokens, shares=args.train_shares)
+        seen.update(batches=args.batches, tokens=args.tokens, shares=args.train_shares, share_batches=args.share_batches)
         return {"size": size.name, "rows": []}
 
     assert run.PHASES["decode"] == "opd_patches.bench.decode:run_phase"
@@ -24,6 +24,6 @@ def test_decode_is_a_registered_phase_with_its_arguments(tmp_path, monkeypatch):
     globals()["_fake"] = fake_phase
     out = tmp_path / "b.json"
     assert run.main(["--phase", "decode", "--size", "cpu", "--out", str(out), "--batches", "8", "16",
-                     "--tokens", "64", "--train-shares", "25"]) == 0
-    assert seen == {"batches": [8, 16], "tokens": 64, "shares": [25]}
+                     "--tokens", "64", "--train-shares", "25", "--share-batches", "16", "8"]) == 0
+    assert seen == {"batches": [8, 16], "tokens": 64, "shares": [25], "share_batches": [16, 8]}
     assert out.exists()

@@ -1,7 +1,7 @@
 """Bench phase `decode`: what a batch costs to generate, and whether training can share the GPU with decode.
 
     python -m opd_patches.bench.decode [--batches 32 64 128] [--tokens 7168]
-        [--train-shares 100 50 25] [--share-tokens 2048] [--out bench.json]
+        [--train-shares 100 50 25] [--share-tokens 2048] [--share-batches 32 16 8] [--out bench.json]
     (make bench PHASE=decode; the shares need the MPS daemon: see below)
 
 vLLM alone (the recipes' engine settings: `gpu_memory_utilization` 0.5, CUDA graphs without
@@ -12,7 +12,8 @@ size: decode at this size is latency-bound, so the time per step grows far less 
 `--train-shares P ...` asks whether the update could run under generation (issue 31): for each P a
 child process runs a training forward+backward loop of the same model (2 x 5,200 tokens, gradient
 checkpointing, no optimizer step) with `CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=P` while this process
-decodes 32 x `--share-tokens`; both rates are compared with each alone. The limit is honoured only
+decodes B x `--share-tokens` for each B of `--share-batches` (default 32; fewer: generation's tail); both
+rates are compared with each alone. The limit is honoured only
 under the MPS control daemon, started before this command (root): `nvidia-cuda-mps-control -d`, and
 `echo quit | nvidia-cuda-mps-control` after. Without the daemon the child is time-sliced with vLLM.
 """
@@ -109,12 +110,12 @@ class Trainer:
         return list(self.ends)
 
 
-def shared(llm, model: Path, share: int | None, tokens: int) -> dict:
-    """Decode 32 x `tokens` while the training child runs under `share` % of the SMs."""
+def shared(llm, model: Path, share: int | None, tokens: int, batch: int = 32) -> dict:
+    """Decode `batch` x `tokens` while the training child runs under `share` % of the SMs."""
     child = Trainer(model, share)
     time.sleep(5.0)  # a few iterations first: the child runs steadily when decode starts
     t0 = time.time()
-    res = decode(llm, 32, tokens)
+    res = decode(llm, batch, tokens)
     t1 = time.time()
     ends = child.stop()
     return {"share": share, "decode": res, "train_s_per_iter": train_rate(ends, (t0, t1)),
@@ -143,23 +144,28 @@ def run_phase(size, args) -> dict:
 
         results.merge(args.out, "decode", {"size": "full", "rows": list(rows), "batches": batches, "sharing": []})
     if args.train_shares:
-        alone_decode = decode(llm, 32, args.share_tokens)
+        # --share-batches: generation's tail decodes fewer sequences (the others have ended): is decode there
+        # slowed less by the training beside it than at the full batch?
+        share_batches = getattr(args, "share_batches", None) or [32]
+        alone = {b: decode(llm, b, args.share_tokens) for b in share_batches}
+        alone_decode = alone[share_batches[0]]
         solo = Trainer(model, None)  # alone: vLLM holds its memory but decodes nothing meanwhile
         time.sleep(15.0)
         alone_train = train_rate(solo.stop())
-        for share in args.train_shares:
-            s = shared(llm, model, share, args.share_tokens)
-            s["decode_slowdown"] = round(s["decode"]["ms_per_step"] / alone_decode["ms_per_step"], 3)
+        for batch, share in [(b, p) for b in share_batches for p in args.train_shares]:
+            s = shared(llm, model, share, args.share_tokens, batch)
+            s["decode_slowdown"] = round(s["decode"]["ms_per_step"] / alone[batch]["ms_per_step"], 3)
             if s["train_s_per_iter"] and alone_train:
                 s["train_slowdown"] = round(s["train_s_per_iter"] / alone_train, 3)
                 # work done together per unit time, relative to doing the two one after the other
                 s["combined_rate"] = round(1 / s["decode_slowdown"] + 1 / s["train_slowdown"], 3)
             sharing.append(s)
             print(f"[bench decode] train share {share} %: {json.dumps(s)}", flush=True)
-            rows.append({"name": f"decode/shared/{share}", "time_s": s["decode"]["seconds"],
-                         "ref_time_s": alone_decode["seconds"], "ratio": s["decode_slowdown"], "tok_per_s": None,
+            rows.append({"name": f"decode/shared/{share}" + (f"/b{batch}" if batch != 32 else ""),
+                         "time_s": s["decode"]["seconds"], "ref_time_s": alone[batch]["seconds"], "ratio": s["decode_slowdown"], "tok_per_s": None,
                          "peak_gib": None, **{k: v for k, v in s.items() if k != "decode"}})
-        sharing = {"decode_alone": alone_decode, "train_alone_s_per_iter": alone_train, "runs": sharing,
+        sharing = {"decode_alone": alone_decode, "decode_alone_by_batch": list(alone.values()),
+                   "train_alone_s_per_iter": alone_train, "runs": sharing,
                    "mps_daemon": _mps_running()}
     return {"size": "full", "rows": rows, "batches": batches, "sharing": sharing,
             "notes": ["decode rows: B prompts x forced tokens, vLLM alone; shared rows: ratio = decode ms/step with "
@@ -185,6 +191,7 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", type=int, default=7168)
     p.add_argument("--train-shares", type=int, nargs="*", default=[])
     p.add_argument("--share-tokens", type=int, default=2048)
+    p.add_argument("--share-batches", type=int, nargs="+", default=[32])
     p.add_argument("--workdir", type=Path, default=Path(".cache/bench"))
     p.add_argument("--out", type=Path, default=Path("bench.json"))
     a = p.parse_args(argv)

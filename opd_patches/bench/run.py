@@ -5,7 +5,7 @@
         [--seq-len N] [--micro-seqs M]          (any phase that uses the size's sequences)
         [--recipe topk [k1 ...]] [--gpus 0 1] [--rollout vllm|hf] [--steps 2] [--override K=V ...]
         [--lengths seed-math500 | cap@2,seed-math500@2]   (step)
-        [--batches 32 64 128] [--tokens 7168] [--train-shares 100 25 ...] [--share-tokens 2048]   (decode)
+        [--batches 32 64 128] [--tokens 7168] [--train-shares 100 25 ...] [--share-tokens 2048] [--share-batches 32 8]   (decode)
 """
 
 import argparse
@@ -62,6 +62,8 @@ def main(argv=None) -> int:
     dec.add_argument("--tokens", type=int, default=7168, help="forced new tokens per sequence")
     dec.add_argument("--train-shares", type=int, nargs="*", default=[], help="MPS active-thread %% of the training child")
     dec.add_argument("--share-tokens", type=int, default=2048, help="new tokens of the decode beside the training")
+    dec.add_argument("--share-batches", type=int, nargs="+", default=[32],
+                     help="sequences decoded beside the training (fewer: generation's tail)")
     args = parser.parse_args(argv)
     import torch
 
