@@ -68,8 +68,9 @@ def tiny(export: Path) -> bool:
 
 class Validator:
     """opd_patches.validate of `export` in a CPU-only child (never contends with training memory), started before
-    the export is there: the child imports torch and transformers (~7.8 s of the 26.7 s last save on an H100,
-    2026-12-05) while the export is built, then waits on its stdin until `result()` sends "go"."""
+    the export is there: the child imports torch and transformers while the export is built, then waits on its
+    stdin until `result()` sends "go" (1.5B export on an idle H100 host: 3.9 s after "go", 13.3 s cold; in the
+    smoke's last save the state's re-read for hashing bounds the wait instead: docs/performance.md)."""
 
     def __init__(self, export: Path, expected_params: int | None):
         self._tmp = tempfile.TemporaryDirectory()
