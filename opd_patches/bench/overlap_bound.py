@@ -18,10 +18,8 @@ Optimizer step, weight sync and start-up are left out of both sides.
 from __future__ import annotations
 
 import argparse
-import math
-import random
 import sys
-from statistics import NormalDist, mean
+from statistics import mean
 
 from opd_patches.bench import lengths as length_profiles
 
@@ -30,14 +28,9 @@ MEASURED = [("ideal", 1.0, 1.0), ("mps-50%", 1.376, 1.784), ("mps-25%", 1.199, 3
             ("mps-no-limit", 4.82, 1.12), ("time-sliced", 2.63, 1.79)]
 
 
-def draw_lengths(profile: str, batch: int, cap: int, rng: random.Random) -> list[int]:
-    """One batch of response lengths from a named profile (opd_patches/bench/lengths.py), capped."""
-    params = length_profiles.parse(profile)
-    if params is None:
-        return [cap] * batch
-    median, sigma = params
-    nd = NormalDist()
-    return [min(cap, max(1, round(median * math.exp(sigma * nd.inv_cdf(rng.random()))))) for _ in range(batch)]
+def draw_lengths(profile: str, batch: int, cap: int, index: int, seed: int = 0) -> list[int]:
+    """Batch `index` of response lengths, drawn as the step bench's agent loop draws them (lengths.draw)."""
+    return [length_profiles.draw(profile, cap, seed, index, str(i)) for i in range(batch)]
 
 
 def overlapped_step(lengths: list[int], gen_s: float, work_s: float, decode_slowdown: float,
@@ -69,8 +62,7 @@ def overlapped_step(lengths: list[int], gen_s: float, work_s: float, decode_slow
 def bound(profile: str, gen_s: float, work_s: float, batch: int, cap: int, draws: int,
           shares: list[tuple[str, float, float]], seed: int = 0) -> list[dict]:
     """Per share: the mean overlapped step over `draws` batches, against the sequential gen + work."""
-    rng = random.Random(seed)
-    batches = [draw_lengths(profile, batch, cap, rng) for _ in range(draws)]
+    batches = [draw_lengths(profile, batch, cap, index, seed) for index in range(draws)]
     sequential = gen_s + work_s
     rows = []
     for name, d, r in shares:
