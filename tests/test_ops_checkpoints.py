@@ -6,8 +6,10 @@ runs the real one).
 """
 
 import errno
+import hashlib
 import json
 import os
+import random
 import subprocess
 import sys
 
@@ -38,10 +40,48 @@ def test_receipt_schema_and_hashes(tmp_path):
     r = json.loads((d / "receipt.json").read_text())
     assert r["step"] == 3 and r["complete"] is True and r["hf_export"] == "actor/huggingface"
     assert set(r["files"]) == {"actor/model_world_size_1_rank_0.pt", "actor/huggingface/model.safetensors", "data.pt"}
-    assert r["files"]["data.pt"] == {"bytes": 3, "sha256": receipts.sha256(d / "data.pt")}
+    assert r["files"]["data.pt"] == {"bytes": 3, "sha256_blocks": _blocks_sha256(b"ddd", receipts.BLOCK)}
     assert r["validation"]["ok"] is True and r["written_at"].endswith("+00:00")
     assert receipts.verify(d) == []
     (d / "data.pt").write_bytes(b"x" * 3)  # same size, other content: only a full verify sees it
+    assert receipts.verify(d) == ["data.pt"]
+
+
+def _blocks_sha256(data: bytes, block: int) -> str:
+    """The receipt's digest written out: sha256 over the sha256 digests of consecutive blocks."""
+    return hashlib.sha256(b"".join(hashlib.sha256(data[i:i + block]).digest()
+                                   for i in range(0, len(data), block))).hexdigest()
+
+
+@pytest.mark.parametrize("size", [0, 1, 4095, 4096, 4097, 3 * 4096 + 5])
+def test_block_digest_of_a_file_and_of_a_stream_of_writes(tmp_path, monkeypatch, size):
+    """The same digest from the file on disk (blocks hashed by a pool) and from the writes that made it, cut at
+    any boundary (BlockDigest, what the state writer wraps the file in); each equals the written-out reference."""
+    monkeypatch.setattr(receipts, "BLOCK", 4096)
+    data = os.urandom(size)
+    (tmp_path / "f").write_bytes(data)
+    expected = _blocks_sha256(data, 4096)
+    assert receipts.hash_files(tmp_path, ["f"], workers=3) == {"f": {"bytes": size, "sha256_blocks": expected}}
+    rng = random.Random(size)
+    with open(tmp_path / "g", "wb") as sink:
+        stream = receipts.BlockDigest(sink)
+        at = 0
+        while at < size:
+            n = rng.choice([1, 17, 4095, 4096, 9000])
+            assert stream.write(memoryview(data)[at:at + n]) == len(data[at:at + n])
+            at += n
+    assert stream.hexdigest() == expected and (tmp_path / "g").read_bytes() == data
+
+
+def test_a_receipt_with_plain_sha256_still_verifies(tmp_path):
+    """Receipts written before `sha256_blocks` list one plain sha256 per file; resume and VERIFY=1 check them."""
+    d = make_state(tmp_path, 2)
+    r = json.loads((d / "receipt.json").read_text())
+    for rel, meta in r["files"].items():
+        r["files"][rel] = {"bytes": meta["bytes"], "sha256": hashlib.sha256((d / rel).read_bytes()).hexdigest()}
+    (d / "receipt.json").write_text(json.dumps(r))
+    assert receipts.verify(d) == []
+    (d / "data.pt").write_bytes(b"x" * 2)
     assert receipts.verify(d) == ["data.pt"]
 
 

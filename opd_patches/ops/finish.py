@@ -167,7 +167,8 @@ class _StateHasher(threading.Thread):
     def run(self):
         try:
             receipts.wait_for_writes(self.state, self.timeout_s)
-            self.files = receipts.hash_files(self.state, receipts.state_files(self.state, outside=receipts.HF_EXPORT))
+            self.files = receipts.hash_files(self.state, receipts.state_files(self.state, outside=receipts.HF_EXPORT),
+                                             sidecars=True)
         except BaseException as exc:  # noqa: BLE001 - reported by finish(), never lost
             self.error = exc
         self.ended = time.monotonic()
@@ -175,11 +176,13 @@ class _StateHasher(threading.Thread):
 
 def finish(state: Path, step: int, validate: bool = True, expected_params: int | None = None,
            timeout_s: float = 1800, keep: int | None = None, build_export: bool = False,
-           validation: dict | None = None, hold_s: float = 0.0) -> dict:
+           validation: dict | None = None, hold_s: float = 0.0, validator: Validator | None = None) -> dict:
     """(Build the HF export,) validate, hash, write the receipt, prune; returns what happened with the
     seconds each part took. build_export: the weights come from the state files (state_export.py).
     validation: the export's, already done (`validated_here`); it goes into the receipt as it is.
     hold_s: TEST ONLY (opd.debug.finish_hold_s) wait before hashing: a window to kill the run in.
+    validator: the export's `Validator`, started by the caller before upstream's save (the trainer's last save);
+    else one starts here. Ended when this returns.
 
     Side by side (on the H200 the stages took 10 + 25 + 36 + 28 s one after another at 1.5B): the state's
     files outside the export are hashed by a thread as soon as all writes have ended, while the export is
@@ -187,8 +190,9 @@ def finish(state: Path, step: int, validate: bool = True, expected_params: int |
     validation. The receipt still comes after every write, the validation and every hash."""
     state = Path(state)
     # The validating child imports beside the writes and the export's build (`Validator`).
-    warm = (Validator(state / receipts.HF_EXPORT, expected_params)
-            if validate and validation is None and large(state / receipts.HF_EXPORT, expected_params) else None)
+    warm = validator or (Validator(state / receipts.HF_EXPORT, expected_params)
+                         if validate and validation is None and large(state / receipts.HF_EXPORT, expected_params)
+                         else None)
     try:
         return _finish(state, step, validate, expected_params, timeout_s, keep, build_export, validation, hold_s, warm)
     finally:
@@ -244,6 +248,7 @@ def _finish(state: Path, step: int, validate: bool, expected_params: int | None,
                       "incomplete and the previous complete states are intact. Free disk space and relaunch "
                       "to resume.") from exc
     (state / receipts.PENDING).unlink(missing_ok=True)
+    receipts.drop_sidecars(state)
     removed = checkpoints.prune(state.parent, keep) if keep else []
     # hash_s: what the hashing added after the validation had ended
     return {"step": int(step), "validation": validation, "pruned": removed, "write_wait_s": t_written - t0,

@@ -2,7 +2,7 @@
 
 Schema (shared contract, see docs/training.md "Wall clock, checkpoints, resume"):
     {"step": N, "complete": true,
-     "files": {relpath: {"bytes": int, "sha256": str}},   # every file of the state except the receipt
+     "files": {relpath: {"bytes": int, "sha256_blocks": str}},   # every file of the state except the receipt
      "hf_export": "actor/huggingface",                    # relative to the state folder
      "validation": {"ok": bool|null, "checks": {...}, "error": str|null},   # ok null: not validated
      "written_at": ISO-8601 UTC}
@@ -15,33 +15,47 @@ it is written by the finishing process after the export validation and the hashi
 Definitions (the one place; docs/training.md "Wall clock, checkpoints, resume" repeats them):
 - *complete*: the receipt is written and matches the disk: it parses, names the folder's step and
   every file it lists exists with the recorded size (`problem` is None). A listing checks sizes only;
-  a resume, and `make checkpoints VERIFY=1`, also re-hash every file against its sha256 (`verify`).
+  a resume, and `make checkpoints VERIFY=1`, also re-hash every file against its digest (`verify`).
   Resume may start from any complete state.
 - *validated*: complete and the receipt records a passed export validation (`validation.ok` is True,
   `is_validated`). Kept states (`trainer.max_actor_ckpt_to_keep`) and a run's reported result count
   validated states only.
-A receipt set aside because a file's sha256 differed (`reject`) becomes `receipt.json.rejected`:
+A receipt set aside because a file's digest differed (`reject`) becomes `receipt.json.rejected`:
 the state is then incomplete and `problem` names the file.
+
+The digest, `sha256_blocks`: the sha256 of the concatenated 32-byte sha256 digests of the file's consecutive
+64 MiB blocks (the last one shorter; an empty file has no block). Its blocks hash side by side on every core
+(hashlib releases the GIL), where one sha256 of a file runs on one: at 1.5 B the optimizer state alone is 14 GB,
+and a single sha256 of it bounded the last save (docs/performance.md). Receipts written before it hold a plain
+`sha256` per file, which `verify` still checks. To check a file by hand:
+    python -m opd_patches.ops.receipts FILE
+The background state writer (state_writer.py) computes the digest as it writes each file and leaves it beside
+the file (`<file>.digest`); the finish takes it from there instead of reading the file again.
 """
 
 import datetime as _dt
 import hashlib
 import json
 import os
+import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 NAME = "receipt.json"
 PENDING = NAME + ".pending"  # written when a background finish starts (pid, started_at)
-REJECTED = NAME + ".rejected"  # a receipt whose files did not match their sha256 (reject)
+REJECTED = NAME + ".rejected"  # a receipt whose files did not match their digests (reject)
 HF_EXPORT = "actor/huggingface"
 _CHUNK = 1 << 22
 # Markers of the background state writes (state_writer.py leaves them next to each file it writes; the
 # finish waits until none is left). Here, not there: the finish process then never imports torch.
 WRITING, FAILED, PARTIAL = ".writing", ".write-failed", ".partial"
+DIGEST, BLOCK = "sha256_blocks", 64 << 20
+SIDECAR = ".digest"  # `<file>.digest`: {"bytes", DIGEST, "mtime_ns"} of a file, left by the state writer
 
 
 def sha256(path: Path) -> str:
+    """The plain sha256 of a file (receipts written before `sha256_blocks`)."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while block := f.read(_CHUNK):
@@ -56,7 +70,7 @@ def state_files(state_dir: Path, under: str | None = None, outside: str | None =
     rels = []
     for p in sorted(state_dir.rglob("*")):
         rel = p.relative_to(state_dir).as_posix()
-        if not p.is_file() or rel == NAME or rel.startswith(NAME + "."):
+        if not p.is_file() or rel == NAME or rel.startswith(NAME + ".") or rel.endswith(SIDECAR):
             continue
         if under is not None and not rel.startswith(under.rstrip("/") + "/"):
             continue
@@ -66,20 +80,115 @@ def state_files(state_dir: Path, under: str | None = None, outside: str | None =
     return rels
 
 
-def hash_files(state_dir: Path, rels: list[str], workers: int | None = None) -> dict:
-    """{relpath: {"bytes", "sha256"}} of the given files, hashed by a pool of threads (hashlib and file
-    reads release the GIL: the state's files hash side by side instead of one after another)."""
-    from concurrent.futures import ThreadPoolExecutor
+def _combine(block_digests) -> str:
+    return hashlib.sha256(b"".join(block_digests)).hexdigest()
 
+
+def hash_workers() -> int:
+    return max(1, min(16, os.cpu_count() or 1))
+
+
+class BlockDigest:
+    """`sha256_blocks` of a byte stream, fed by `write` as a file would be (the wrapper torch.save writes into).
+
+    Full blocks inside one `write` are hashed by a thread pool while the caller writes the same bytes to disk,
+    and `write` returns once they are hashed (the caller's buffer is only read during the call); a block that
+    straddles writes is copied. `hexdigest()` after the last write."""
+
+    def __init__(self, sink=None, pool=None):
+        self.sink, self.bytes = sink, 0
+        self._pool, self._own = (pool, False) if pool is not None else (ThreadPoolExecutor(hash_workers()), True)
+        self._pending = bytearray()
+        self._digests: list = []  # futures, in block order
+
+    def write(self, data) -> int:
+        view = memoryview(data).cast("B")
+        n, at, waits = len(view), 0, []
+        if self._pending:
+            at = min(n, BLOCK - len(self._pending))
+            self._pending += view[:at]
+            if len(self._pending) == BLOCK:
+                self._digests.append(self._pool.submit(_sha, bytes(self._pending)))
+                self._pending = bytearray()
+        while n - at >= BLOCK:  # zero-copy: hashed while the sink writes, waited for below
+            waits.append(self._pool.submit(_sha, view[at:at + BLOCK]))
+            at += BLOCK
+        self._digests += waits
+        self._pending += view[at:]
+        written = self.sink.write(view) if self.sink is not None else n
+        for w in waits:
+            w.result()
+        self.bytes += n
+        return n if written is None else written
+
+    def flush(self) -> None:
+        if self.sink is not None:
+            self.sink.flush()
+
+    def hexdigest(self) -> str:
+        if self._pending:
+            self._digests.append(self._pool.submit(_sha, bytes(self._pending)))
+            self._pending = bytearray()
+        out = _combine(f.result() for f in self._digests)
+        if self._own:
+            self._pool.shutdown()
+        return out
+
+
+def _sha(buf) -> bytes:
+    return hashlib.sha256(buf).digest()
+
+
+def _block(path: Path, index: int) -> bytes:
+    with open(path, "rb") as f:
+        return _sha(os.pread(f.fileno(), BLOCK, index * BLOCK))
+
+
+def hash_files(state_dir: Path, rels: list[str], workers: int | None = None, sidecars: bool = False) -> dict:
+    """{relpath: {"bytes", "sha256_blocks"}} of the given files: every block of every file hashed by one pool of
+    threads. sidecars: take a file's digest from its `<file>.digest` (the state writer's) when that names the
+    file's current size and modification time, instead of reading the file."""
     state_dir = Path(state_dir)
-    workers = workers or max(1, min(8, os.cpu_count() or 1, len(rels)))
-    with ThreadPoolExecutor(workers, thread_name_prefix="sha256") as pool:
-        digests = list(pool.map(lambda rel: sha256(state_dir / rel), rels))
-    return {rel: {"bytes": (state_dir / rel).stat().st_size, "sha256": d} for rel, d in zip(rels, digests, strict=True)}
+    out, todo = {}, []
+    for rel in rels:
+        st = (state_dir / rel).stat()
+        known = _sidecar(state_dir / rel, st) if sidecars else None
+        if known is not None:
+            out[rel] = {"bytes": st.st_size, DIGEST: known}
+        else:
+            todo.append((rel, st.st_size))
+    with ThreadPoolExecutor(workers or hash_workers(), thread_name_prefix="sha256") as pool:
+        futures = {rel: [pool.submit(_block, state_dir / rel, i) for i in range(-(-size // BLOCK))]
+                   for rel, size in todo}
+        for rel, size in todo:
+            out[rel] = {"bytes": size, DIGEST: _combine(f.result() for f in futures[rel])}
+    return {rel: out[rel] for rel in rels}
+
+
+def _sidecar(path: Path, st) -> str | None:
+    try:
+        meta = json.loads(Path(str(path) + SIDECAR).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(meta, dict) or (meta.get("bytes"), meta.get("mtime_ns")) != (st.st_size, st.st_mtime_ns):
+        return None
+    return meta.get(DIGEST)
+
+
+def write_sidecar(path: Path, digest: str) -> None:
+    """Leave `<path>.digest` for the finish: the digest of `path` as it now is on disk."""
+    st = Path(path).stat()
+    atomic_write_json(Path(str(path) + SIDECAR), {"bytes": st.st_size, DIGEST: digest, "mtime_ns": st.st_mtime_ns})
+
+
+def drop_sidecars(state_dir: Path) -> None:
+    """Remove the state writer's digests once the receipt holds them."""
+    for p in Path(state_dir).rglob("*" + SIDECAR):
+        p.unlink(missing_ok=True)
 
 
 def inventory(state_dir: Path) -> dict:
-    """{relpath: {"bytes", "sha256"}} for every file under a state folder except the receipt."""
+    """{relpath: {"bytes", "sha256_blocks"}} for every file under a state folder except the receipt."""
     return hash_files(state_dir, state_files(state_dir))
 
 
@@ -173,11 +282,15 @@ def read(state_dir: Path, step: int | None = None) -> dict | None:
 
 
 def verify(state_dir: Path) -> list[str]:
-    """Re-hash every file listed in the receipt; the relpaths whose sha256 differs (slow: reads everything)."""
+    """Re-hash every file listed in the receipt; the relpaths whose digest differs (reads everything)."""
     receipt = read(state_dir)
     if receipt is None:
         return ["<no valid receipt>"]
-    return [rel for rel, meta in receipt["files"].items() if sha256(Path(state_dir) / rel) != meta.get("sha256")]
+    files = receipt["files"]
+    blocks = [rel for rel, meta in files.items() if DIGEST in meta]
+    now = hash_files(Path(state_dir), blocks)
+    return [rel for rel, meta in files.items()
+            if (now[rel][DIGEST] if rel in now else sha256(Path(state_dir) / rel)) != meta.get(DIGEST, meta.get("sha256"))]
 
 
 def reject(state_dir: Path, reason: str) -> None:
@@ -207,3 +320,8 @@ def wait_for_writes(state: Path, timeout_s: float, poll_s: float = 0.2, pattern:
         if time.monotonic() > deadline:
             raise TimeoutError(f"the state files of {state} were still being written after {timeout_s:g} s")
         time.sleep(poll_s)
+
+
+if __name__ == "__main__":  # the `sha256_blocks` of each file named
+    for name in sys.argv[1:]:
+        print(hash_files(Path(name).parent, [Path(name).name])[Path(name).name][DIGEST], name)
