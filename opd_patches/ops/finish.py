@@ -167,8 +167,7 @@ class _StateHasher(threading.Thread):
     def run(self):
         try:
             receipts.wait_for_writes(self.state, self.timeout_s)
-            self.files = receipts.hash_files(self.state, receipts.state_files(self.state, outside=receipts.HF_EXPORT),
-                                             sidecars=True)
+            self.files = receipts.hash_files(self.state, receipts.state_files(self.state, outside=receipts.HF_EXPORT))
         except BaseException as exc:  # noqa: BLE001 - reported by finish(), never lost
             self.error = exc
         self.ended = time.monotonic()
@@ -248,7 +247,6 @@ def _finish(state: Path, step: int, validate: bool, expected_params: int | None,
                       "incomplete and the previous complete states are intact. Free disk space and relaunch "
                       "to resume.") from exc
     (state / receipts.PENDING).unlink(missing_ok=True)
-    receipts.drop_sidecars(state)
     removed = checkpoints.prune(state.parent, keep) if keep else []
     # hash_s: what the hashing added after the validation had ended
     return {"step": int(step), "validation": validation, "pruned": removed, "write_wait_s": t_written - t0,

@@ -7,11 +7,8 @@ is 21.3 GB from GPU memory, ~32 s during which the trainer waits. With `opd.back
 
 - the call copies every tensor of `obj` to host memory (a snapshot: training goes on and updates the
   originals in place), leaves the marker `<path>.writing` and returns;
-- one writer thread per process writes the snapshots in order to `<path>.partial`, hashing the bytes as they
-  go out (receipts.BlockDigest: the blocks hash on other threads while this one writes), renames it to
-  `<path>`, leaves the digest beside it (`<path>.digest`, which the finish puts in the receipt instead of
-  reading the file again), then removes the marker; a write that fails leaves `<path>.write-failed` (the
-  error) instead;
+- one writer thread per process writes the snapshots in order to `<path>.partial`, renames it to
+  `<path>`, then removes the marker; a write that fails leaves `<path>.write-failed` (the error) instead;
 - the finish (finish.py, which hashes the state and writes its receipt) first waits until no
   `.writing` marker is left under the state (`receipts.wait_for_writes`); a failure marker keeps the state
   without a receipt: incomplete, never resumed from. A kill before the writes end leaves no receipt either.
@@ -30,12 +27,10 @@ import os
 import queue
 import threading
 import types
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 
-from opd_patches.ops import receipts
 from opd_patches.ops.receipts import FAILED, PARTIAL, WRITING  # the markers; the finish waits on them
 
 ENV = "OPD_ASYNC_STATE_WRITE"
@@ -80,7 +75,6 @@ class _Writer:
         self._save = save
         self._jobs: queue.Queue = queue.Queue()
         self._thread = None
-        self._pool = None
         self._lock = threading.Lock()
 
     def submit(self, obj, path: str, args, kwargs) -> None:
@@ -103,11 +97,6 @@ class _Writer:
                       f"first: {path}", flush=True)
         self._jobs.put((staged, path, args, kwargs))
 
-    def _hash_pool(self) -> ThreadPoolExecutor:
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(receipts.hash_workers(), thread_name_prefix="opd-state-sha256")
-        return self._pool
-
     def drain(self) -> None:
         """Wait until every submitted state file is written (or has failed)."""
         self._jobs.join()
@@ -116,11 +105,8 @@ class _Writer:
         while True:
             staged, path, args, kwargs = self._jobs.get()
             try:
-                with open(path + PARTIAL, "wb") as f:
-                    digest = receipts.BlockDigest(f, self._hash_pool())
-                    self._save(staged, digest, *args, **kwargs)  # torch.save writes through: same bytes as to a path
+                self._save(staged, path + PARTIAL, *args, **kwargs)
                 os.replace(path + PARTIAL, path)
-                receipts.write_sidecar(path, digest.hexdigest())
             except BaseException as exc:  # noqa: BLE001 - recorded for the finish, never lost
                 Path(path + FAILED).write_text(f"{type(exc).__name__}: {exc}")
                 Path(path + PARTIAL).unlink(missing_ok=True)
