@@ -175,13 +175,11 @@ class _StateHasher(threading.Thread):
 
 def finish(state: Path, step: int, validate: bool = True, expected_params: int | None = None,
            timeout_s: float = 1800, keep: int | None = None, build_export: bool = False,
-           validation: dict | None = None, hold_s: float = 0.0, validator: Validator | None = None) -> dict:
+           validation: dict | None = None, hold_s: float = 0.0) -> dict:
     """(Build the HF export,) validate, hash, write the receipt, prune; returns what happened with the
     seconds each part took. build_export: the weights come from the state files (state_export.py).
     validation: the export's, already done (`validated_here`); it goes into the receipt as it is.
     hold_s: TEST ONLY (opd.debug.finish_hold_s) wait before hashing: a window to kill the run in.
-    validator: the export's `Validator`, started by the caller before upstream's save (the trainer's last save);
-    else one starts here. Ended when this returns.
 
     Side by side (on the H200 the stages took 10 + 25 + 36 + 28 s one after another at 1.5B): the state's
     files outside the export are hashed by a thread as soon as all writes have ended, while the export is
@@ -189,9 +187,8 @@ def finish(state: Path, step: int, validate: bool = True, expected_params: int |
     validation. The receipt still comes after every write, the validation and every hash."""
     state = Path(state)
     # The validating child imports beside the writes and the export's build (`Validator`).
-    warm = validator or (Validator(state / receipts.HF_EXPORT, expected_params)
-                         if validate and validation is None and large(state / receipts.HF_EXPORT, expected_params)
-                         else None)
+    warm = (Validator(state / receipts.HF_EXPORT, expected_params)
+            if validate and validation is None and large(state / receipts.HF_EXPORT, expected_params) else None)
     try:
         return _finish(state, step, validate, expected_params, timeout_s, keep, build_export, validation, hold_s, warm)
     finally:

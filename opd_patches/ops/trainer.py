@@ -46,7 +46,7 @@ from opd_patches.backends import cpu_platform  # noqa: F401, I001
 from verl.trainer.ppo.v1.trainer_base import register_trainer
 from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 
-from opd_patches.ops import checkpoints, finish, guard, liveness, receipts, summary
+from opd_patches.ops import checkpoints, finish, guard, liveness, summary
 from opd_patches.ops.budget import WallClock
 
 NAME = "opd_sync"
@@ -162,26 +162,18 @@ class OpsTrainerMixin:
         step = self.global_steps
         state = self.ops_run_dir / f"global_step_{step}"
         keep = self.config.trainer.get("max_actor_ckpt_to_keep")
-        args = dict(validate=self.ops_validate, expected_params=self._ops_expected() if self.ops_validate else None,
-                    timeout_s=self.ops_validate_timeout, keep=keep, build_export=self.ops_build_export)
-        # The last save of this process (final step or wall clock) is waited for: its receipt must exist at exit.
-        last = self._ops_stop_reason is not None or step >= self.total_training_steps
-        # ... so its validating child imports torch and transformers beside upstream's save (finish.Validator).
-        warm = (finish.Validator(state / receipts.HF_EXPORT, args["expected_params"])
-                if last and self.ops_validate and finish.large(state / receipts.HF_EXPORT, args["expected_params"])
-                else None)
         with open_dict(self.config):
             self.config.trainer.max_actor_ckpt_to_keep = None  # upstream prunes from memory only: ours in finish
         try:
             super()._save_checkpoint()
-        except BaseException:
-            if warm is not None:
-                warm.cancel()
-            raise
         finally:
             with open_dict(self.config):
                 self.config.trainer.max_actor_ckpt_to_keep = keep
         self._ops_saved_step = step
+        args = dict(validate=self.ops_validate, expected_params=self._ops_expected() if self.ops_validate else None,
+                    timeout_s=self.ops_validate_timeout, keep=keep, build_export=self.ops_build_export)
+        # The last save of this process (final step or wall clock) is waited for: its receipt must exist at exit.
+        last = self._ops_stop_reason is not None or step >= self.total_training_steps
         if self.ops_background and not last:
             if self.ops_validate and not self.ops_build_export:
                 args["validation"] = finish.validated_here(state, args["expected_params"], self.ops_validate_timeout)
@@ -201,7 +193,7 @@ class OpsTrainerMixin:
                   f"state, or its host snapshot with opd.background_state_write{waited_for}; any earlier finish); "
                   f"{later}hashing and receipt continue in the background", flush=True)
             return
-        out = finish.finish(state, step, validator=warm, **args)
+        out = finish.finish(state, step, **args)
         self._ops_report(out, waited=time.monotonic() - start, background=False)
 
     def _ops_collect(self, wait: bool) -> None:
