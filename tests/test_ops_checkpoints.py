@@ -64,6 +64,16 @@ def test_block_digest_equals_the_written_out_reference(tmp_path, monkeypatch, si
         "g": {"bytes": size, "sha256_blocks": _blocks_sha256(data[::-1], 4096)}}
 
 
+def test_the_digest_command_prints_what_the_receipt_holds(tmp_path):
+    """`python -m opd_patches.ops.receipts FILE` (the by-hand check docs/training.md names)."""
+    d = make_state(tmp_path, 1)
+    f = d / "actor" / "model_world_size_1_rank_0.pt"
+    out = subprocess.run([sys.executable, "-m", "opd_patches.ops.receipts", str(f)], capture_output=True, text=True,
+                         cwd=REPO, timeout=60)
+    held = json.loads((d / "receipt.json").read_text())["files"]["actor/model_world_size_1_rank_0.pt"]["sha256_blocks"]
+    assert out.returncode == 0 and out.stdout.split() == [held, str(f)]
+
+
 def test_a_receipt_with_plain_sha256_still_verifies(tmp_path):
     """Receipts written before `sha256_blocks` list one plain sha256 per file; resume and VERIFY=1 check them."""
     d = make_state(tmp_path, 2)
