@@ -49,15 +49,18 @@ def test_a_large_export_is_validated_in_a_child_a_tiny_one_in_process(tmp_path, 
 
     monkeypatch.setattr(finish.subprocess, "Popen", counted)
     export = embedded["student"]
-    answers = {}
-    for limit in (finish.IN_PROCESS_BYTES, 0):
+    answers, limits = {}, (finish.IN_PROCESS_BYTES, 0)
+    for limit in limits:
         monkeypatch.setattr(finish, "IN_PROCESS_BYTES", limit)
         good = finish.validate_export(export, None, 600)
         bad = finish.validate_export(export, good["parameters"] + 1, 600)
         answers[limit] = (good, bad)
     assert len(calls) == 2 and all("validate" in c for c in calls)  # only the limit-0 pair went to the child
-    (good_in, bad_in), (good_child, bad_child) = answers[finish.IN_PROCESS_BYTES], answers[0]
+    (good_in, bad_in), (good_child, bad_child) = answers[limits[0]], answers[0]
+    timed_in, timed_child = good_in.pop("seconds"), good_child.pop("seconds")
     assert good_in == good_child and good_in["ok"] is True
+    # the child's answer also times its own start (from "go") and exit around the same stages
+    assert list(timed_child) == ["child start", *timed_in, "child exit"]
     assert bad_in["ok"] is bad_child["ok"] is False and "parameter count" in bad_child["error"]
     assert bad_in["checks"] == bad_child["checks"]
 
@@ -93,6 +96,26 @@ def test_the_validator_starts_with_the_finish_and_ends_with_it(tmp_path, embedde
     out = finish.finish(failing, 2, validate=True, expected_params=10**6, timeout_s=600)
     assert out["error"] == "writes" and len(started) == 2
     assert started[1].proc.poll() is not None  # not left running after the finish
+
+
+@pytest.mark.fresh_process
+def test_a_validator_started_ahead_validates_the_export_named_later(tmp_path, embedded):
+    """The final step's validator (trainer.py) starts before its state exists and is told the export with "go";
+    a finish given it uses it; one never told ends with its owner's cancel."""
+    import shutil
+
+    ahead = finish.Validator(None, None)
+    state = make_state(tmp_path, 1, complete=False)
+    shutil.rmtree(state / receipts.HF_EXPORT)
+    shutil.copytree(embedded["student"], state / receipts.HF_EXPORT)
+    out = finish.finish(state, 1, validate=True, expected_params=None, timeout_s=600, validator=ahead)
+    assert ahead.proc.returncode == 0 and out["validation"]["ok"] is True, out
+    assert list(out["validation"]["seconds"])[0] == "child start"  # it went through the child (a tiny export)
+    unused = finish.Validator(None, None)
+    unused.cancel()
+    assert unused.proc.poll() is not None
+    with pytest.raises(ValueError, match="no export folder"):
+        finish.Validator(None, None).result(5)
 
 
 def test_a_tiny_export_is_validated_by_the_trainer_and_its_finish_imports_no_torch(tmp_path, embedded, monkeypatch):

@@ -38,6 +38,18 @@ def test_every_step_saved_with_an_hf_export(smoke, recipe):
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
+def test_the_last_save_is_validated_by_the_child_started_with_the_final_step(smoke, recipe):
+    """The final step starts the last save's validating child (opd.debug.validate_in_child: also for this tiny
+    export); step 1's tiny export was validated in the trainer before its background finish."""
+    run = smoke[1] / recipe
+    stages = {step: set(json.loads((run / f"global_step_{step}" / "receipt.json").read_text())["validation"]["seconds"])
+              for step in (1, 2)}
+    assert {"child start", "child exit", "finite", "generate"} <= stages[2], stages
+    assert "child start" not in stages[1], stages
+    assert "validation stages child start" in (run / "run.log").read_text()
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
 def test_manifest_records_what_produced_the_run(smoke, recipe):
     m = json.loads((smoke[1] / recipe / "manifest.json").read_text())
     pin = (REPO / "verl_vendor" / "pin.toml").read_text()

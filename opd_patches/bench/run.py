@@ -1,11 +1,12 @@
 """CLI of `make bench`: run one phase at one size, merge it into the JSON, print the table.
 
-    python -m opd_patches.bench --phase kernels|teacher|step|layout|save [--size full|cpu] [--out bench.json]
+    python -m opd_patches.bench --phase kernels|teacher|step|layout|save|decode|lastsave [--size full|cpu] [--out bench.json]
         [--variants k1_pg lean_topk_tail ...] [--no-model]          (kernels)
         [--seq-len N] [--micro-seqs M]          (any phase that uses the size's sequences)
         [--recipe topk [k1 ...]] [--gpus 0 1] [--rollout vllm|hf] [--steps 2] [--override K=V ...]
         [--lengths seed-math500 | cap@2,seed-math500@2]   (step)
         [--batches 32 64 128] [--tokens 7168] [--train-shares 100 25 ...] [--share-tokens 2048] [--share-batches 32 8]   (decode)
+        [--workdir DIR] [--rounds 4] [--lead-s 20]   (save, lastsave)
 """
 
 import argparse
@@ -25,6 +26,7 @@ PHASES = {
     "layout": "opd_patches.bench.layout:run_phase",
     "save": "opd_patches.bench.save:run_phase",
     "decode": "opd_patches.bench.decode:run_phase",
+    "lastsave": "opd_patches.bench.last_save:run_phase",
 }
 
 
@@ -57,6 +59,9 @@ def main(argv=None) -> int:
                       "schedule cap@2,seed-math500@2 (opd_patches/bench/lengths.py); default: every response to the cap")
     step.add_argument("--workdir", type=Path, default=Path(".cache/bench"), help="models and run folders")
     step.add_argument("--timeout", type=int, default=3600, help="seconds before the run is killed")
+    parser.add_argument("--rounds", type=int, default=4, help="lastsave phase: saves after the first one")
+    parser.add_argument("--lead-s", type=float, default=20.0,
+                        help="lastsave phase: seconds the step_ahead validator starts before the save (a final step)")
     dec = parser.add_argument_group("decode phase (vLLM decode per batch size; training beside it under MPS)")
     dec.add_argument("--batches", type=int, nargs="+", default=[32, 64, 128])
     dec.add_argument("--tokens", type=int, default=7168, help="forced new tokens per sequence")

@@ -3,13 +3,15 @@
     python -m opd_patches.ops.finish finish --state RUN/global_step_N --step N [--validate] [--build-export]
         [--expected-params P] [--timeout-s T] [--keep K] [--result OUT.json] [--parent-pid PID]
         [--validation-json JSON (done by the trainer)] [--hold-s S (tests)]
+    python -m opd_patches.ops.finish validate EXPORT [opd_patches.validate's options]   (what the CPU child runs)
 
 With `opd.background_save: true` (recipes/base.yaml) the trainer starts this as a subprocess right
 after upstream's save and trains on; otherwise it calls `finish()` in-process. Either way the order
 is the same: the end of the state files' background writes (state_writer.py; the model files only, when the
 export is built here), the HF export's weights built from those files (`opd.background_export`, state_export.py), export validation
 (`opd_patches.validate` in a CPU-only child process, started when the finish starts so that its imports run
-beside the writes and the export's build; a tiny export in-process, and before a background
+beside the writes and the export's build, or for the final step's save by the trainer at that step's beginning;
+the child leaves with os._exit once its answer is written; a tiny export in-process, and before a background
 finish by the trainer itself, so that the finish process imports neither torch nor transformers), the
 sha256 of every file (the state's outside the export hashed by a thread beside the export's build and
 validation, once every write has ended; the export's own beside its validation), the receipt written last
@@ -66,35 +68,54 @@ def tiny(export: Path) -> bool:
     return 0 < weights <= IN_PROCESS_BYTES
 
 
-class Validator:
-    """opd_patches.validate of `export` in a CPU-only child (never contends with training memory), started before
-    the export is there: the child imports torch and transformers while the export is built, then waits on its
-    stdin until `result()` sends "go" (1.5B export on an idle H100 host: 3.9 s after "go", 13.3 s cold; in the
-    smoke's last save the state's re-read for hashing bounds the wait instead: docs/performance.md)."""
+TIMES = "[validator times] "  # the child's last line: when it was ready and when its answer was written
 
-    def __init__(self, export: Path, expected_params: int | None):
+
+class Validator:
+    """opd_patches.validate in a CPU-only child (never contends with training memory), started before the export
+    is there: the child imports torch and transformers meanwhile, then waits on its stdin until `result()` sends
+    "go" and the export's folder. The finish starts one with itself; the trainer starts the final step's at that
+    step's beginning (trainer.py), so that the child's imports (several seconds, more on a busy host) are done
+    by the last save: docs/performance.md "The last save"."""
+
+    def __init__(self, export: Path | None, expected_params: int | None):
+        self.export = export
         self._tmp = tempfile.TemporaryDirectory()
         self.out = Path(self._tmp.name) / "validation.json"
         cmd = [sys.executable, "-m", "opd_patches.ops.finish", "validate", "--parent-pid", str(os.getpid()),
-               "--wait-go", str(export), "--json", str(self.out)]
+               "--wait-go", "--json", str(self.out)]
         if expected_params:
             cmd += ["--expected-params", str(expected_params)]
         env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "TOKENIZERS_PARALLELISM": "false"}
         self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True)
 
-    def result(self, timeout_s: float) -> dict:
-        """The receipt's `validation`; the child has ended when this returns."""
+    def result(self, timeout_s: float, export: Path | None = None) -> dict:
+        """The receipt's `validation` of `export` (default: the one given when started); the child has ended when
+        this returns. Its `seconds` add the child's own overheads: `child start` (from "go" until the child had
+        imported and read it; 0 when it was waiting) and `child exit`."""
+        export = export or self.export
+        if export is None:
+            self.cancel()
+            raise ValueError("Validator.result: no export folder given")
+        sent = time.time()
         try:
-            output, _ = self.proc.communicate("go\n", timeout=timeout_s)
+            output, _ = self.proc.communicate(f"go {export}\n", timeout=timeout_s)
         except subprocess.TimeoutExpired:
             self.cancel()
             return {"ok": False, "checks": {}, "error": f"validation timed out after {timeout_s:g} s"}
+        returned = time.time()
         try:
             if not self.out.exists():
                 tail = (output or "").strip().splitlines()[-3:]
                 return {"ok": False, "checks": {}, "error": f"validator exit {self.proc.returncode}: {' | '.join(tail)}"}
-            return _receipt_validation(json.loads(self.out.read_text()))
+            validation = _receipt_validation(json.loads(self.out.read_text()))
+            times = [json.loads(line[len(TIMES):]) for line in output.splitlines() if line.startswith(TIMES)]
+            if times and validation["seconds"] is not None:
+                validation["seconds"] = {"child start": round(max(0.0, times[-1]["ready_at"] - sent), 3),
+                                         **validation["seconds"],
+                                         "child exit": round(max(0.0, returned - times[-1]["ended_at"]), 3)}
+            return validation
         finally:
             self._tmp.cleanup()
 
@@ -175,11 +196,12 @@ class _StateHasher(threading.Thread):
 
 def finish(state: Path, step: int, validate: bool = True, expected_params: int | None = None,
            timeout_s: float = 1800, keep: int | None = None, build_export: bool = False,
-           validation: dict | None = None, hold_s: float = 0.0) -> dict:
+           validation: dict | None = None, hold_s: float = 0.0, validator: "Validator | None" = None) -> dict:
     """(Build the HF export,) validate, hash, write the receipt, prune; returns what happened with the
     seconds each part took. build_export: the weights come from the state files (state_export.py).
     validation: the export's, already done (`validated_here`); it goes into the receipt as it is.
     hold_s: TEST ONLY (opd.debug.finish_hold_s) wait before hashing: a window to kill the run in.
+    validator: a Validator of this state's export started earlier by the caller (else started here).
 
     Side by side (on the H200 the stages took 10 + 25 + 36 + 28 s one after another at 1.5B): the state's
     files outside the export are hashed by a thread as soon as all writes have ended, while the export is
@@ -187,8 +209,8 @@ def finish(state: Path, step: int, validate: bool = True, expected_params: int |
     validation. The receipt still comes after every write, the validation and every hash."""
     state = Path(state)
     # The validating child imports beside the writes and the export's build (`Validator`).
-    warm = (Validator(state / receipts.HF_EXPORT, expected_params)
-            if validate and validation is None and large(state / receipts.HF_EXPORT, expected_params) else None)
+    warm = validator or (Validator(state / receipts.HF_EXPORT, expected_params)
+                         if validate and validation is None and large(state / receipts.HF_EXPORT, expected_params) else None)
     try:
         return _finish(state, step, validate, expected_params, timeout_s, keep, build_export, validation, hold_s, warm)
     finally:
@@ -223,7 +245,7 @@ def _finish(state: Path, step: int, validate: bool, expected_params: int | None,
     with ThreadPoolExecutor(1, thread_name_prefix="export-sha256") as pool:
         hf_hashing = pool.submit(receipts.hash_files, state, receipts.state_files(state, under=receipts.HF_EXPORT))
         if warm is not None:
-            validation = warm.result(timeout_s)
+            validation = warm.result(timeout_s, state / receipts.HF_EXPORT)
         elif validation is None and validate:
             validation = validate_export(state / receipts.HF_EXPORT, expected_params, timeout_s)
         time.sleep(hold_s)
@@ -292,7 +314,8 @@ def main(argv=None) -> int:
     if argv[:1] == ["validate"]:  # opd_patches.validate, tied to the finishing process
         parser = argparse.ArgumentParser(prog="finish validate")
         parser.add_argument("--parent-pid", type=int)
-        parser.add_argument("--wait-go", action="store_true", help="import, then wait for 'go' on stdin (Validator)")
+        parser.add_argument("--wait-go", action="store_true",
+                            help="import, then wait for 'go EXPORT' on stdin (Validator); EXPORT is validated")
         args, rest = parser.parse_known_args(argv[1:])
         die_with_parent(args.parent_pid)
         from opd_patches import validate
@@ -300,9 +323,16 @@ def main(argv=None) -> int:
         if args.wait_go:
             from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # noqa: F401 - the lazy imports
 
-            if sys.stdin.readline().strip() != "go":  # the finish gave up before its validation
+            line = sys.stdin.readline().strip()
+            if not line.startswith("go "):  # the finish gave up before its validation
                 return 3
-        return validate.main(rest)
+            rest = [line[3:], *rest]
+        ready = time.time()
+        code = validate.main(rest)
+        print(TIMES + json.dumps({"ready_at": ready, "ended_at": time.time()}), flush=True)
+        # The answer is written: leave without tearing down torch and a 1.5 B model (1.4-1.7 s on an H100 host).
+        sys.stderr.flush()
+        os._exit(code)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="cmd", required=True)
     f = sub.add_parser("finish", help="validate, hash, write the receipt, prune")
