@@ -2,7 +2,7 @@
 # make checkpoints RUN=... [VERIFY=1]   (a run folder's trainer states: step, complete, export validation)
 # make patch [BASE=ref] [PATCH_FILE=opd.patch] | patch-check [BASE=ref]   (the submission patch)
 # make data SRC=... [OUT=...] | data-eval EVAL_SETS=... | eval MODEL=... SUITE=math500|aime|embedded [OUT=...] | plot RUN=...   (data, evaluation)
-# make bench [PHASE=kernels|teacher|step|layout|save|decode] [SIZE=full|cpu] [OUT=bench.json] | bench-cpu-kernels | bench-logprob   (performance)
+# make bench [PHASE=kernels|teacher|step|layout|save|decode|lastsave] [SIZE=full|cpu] [OUT=bench.json] | bench-cpu-kernels | bench-logprob   (performance)
 # make learn [SEEDS=N] [DEVICE=gpu] [OUT=outputs/learn]   (proof of learning: the known-answer task, every recipe)
 # make study SPEC=recipes/studies/....yaml [OUT=...] [STUDY_ARGS=...] | arms CONTROL=k1 TREATMENT=topk   (studies)
 # make wheelhouse PROFILE=gpu|cpu [DIR=...] [TORCH_FROM=...] | install WHEELHOUSE=DIR   (installs without network)
