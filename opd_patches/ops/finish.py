@@ -330,7 +330,7 @@ def main(argv=None) -> int:
         ready = time.time()
         code = validate.main(rest)
         print(TIMES + json.dumps({"ready_at": ready, "ended_at": time.time()}), flush=True)
-        # The answer is written: leave without tearing down torch and a 1.5 B model (1.4-1.7 s on an H100 host).
+        # The answer is written: leave without tearing down torch and a 1.5 B model (1.4-1.8 s on H100 hosts).
         sys.stderr.flush()
         os._exit(code)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
