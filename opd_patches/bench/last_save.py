@@ -20,6 +20,7 @@ a fresh child with nothing beside it. A note gives the disk's write rate (4 GiB 
 at the cpu size). Every state is deleted after its row.
 """
 
+import itertools
 import os
 import shutil
 import threading
@@ -124,11 +125,11 @@ def run_phase(size, args) -> dict:
     model.config._name_or_path = str(gen)
     manager = FSDPCheckpointManager(model, optim, processing_class=tokenizer,
                                     checkpoint_config=save._contents("model", "optimizer", "extra"))
-    rounds = ["first"] + [name for _, name in zip(range(args.rounds), _alternate())]
+    rounds = ["first", *itertools.islice(itertools.cycle(VARIANTS), args.rounds)]
     rows, ref, state_gb = [], None, None
+    pinned, state_writer.PINNED = state_writer.PINNED, device == "cuda"
     for step, variant in enumerate(rounds, start=1):
         state = runs / f"global_step_{step}"
-        state_writer.PINNED = device == "cuda"
         _settle()
         validator = None
         if variant == "step_ahead":
@@ -162,7 +163,7 @@ def run_phase(size, args) -> dict:
               flush=True)
         state_gb = state_gb or save._bytes(state) / 1e9
         shutil.rmtree(state)
-    state_writer.PINNED = True
+    state_writer.PINNED = pinned
     rate = _disk_write_gbps(workdir, 4 if device == "cuda" else 1 / 16)
     shutil.rmtree(runs)
     notes = [f"{params:,} parameters; each state {state_gb:.2f} GB: model + optimizer + extra (fp32, FSDP2, one rank) "
@@ -170,11 +171,6 @@ def run_phase(size, args) -> dict:
              f"step_ahead: the child started {args.lead_s:g} s before the save (the final step's time)",
              "ratio: each round's wait against the first `with_finish` round"]
     return {"size": size.name, "rows": rows, "notes": notes, "disk_write_gbps": rate, "state_gb": state_gb, "pid": os.getpid()}
-
-
-def _alternate():
-    while True:
-        yield from VARIANTS
 
 
 def _tokenizer(size):
