@@ -28,7 +28,7 @@ VAL_FILES=${VAL_FILES:-$TRAIN_FILES}
 N_GPUS=${N_GPUS:-1}             # actor (and rollout) GPUs per node
 OUTPUT_DIR=${OUTPUT_DIR:-}      # default: outputs/<recipe>
 PYTHON=${PYTHON:-}              # default: the project's .venv, else python3 (a prepared environment)
-FORCE=${FORCE:-0}               # 1: start despite a held run lock or a busy GPU (opd.force=true)
+FORCE=${FORCE:-0}               # 1: start despite a held run lock, a busy GPU or too little disk/memory (opd.force=true)
 WALL_CLOCK=${WALL_CLOCK:-}      # seconds from launch; the trainer stops in time to save (opd.wall_clock_s)
 RESERVE=${RESERVE:-}            # seconds kept free at the end of WALL_CLOCK (opd.reserve_s, default 1200)
 

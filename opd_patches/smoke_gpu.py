@@ -81,6 +81,18 @@ def eval_suites() -> list[str]:
     return ["math500", "aime"] if os.environ.get("OPD_EVAL_DATA") else ["embedded"]
 
 
+def held_at_start() -> dict:
+    """Free memory of the first visible GPU and each process's holding, read per process through NVML."""
+    from opd_patches.eval import gpu_memory
+
+    try:
+        r = gpu_memory.read(gpu_memory.visible_devices(1)[0])
+    except Exception as exc:  # noqa: BLE001  (no NVML: the evaluation still sizes itself or says why)
+        return {"error": repr(exc)}
+    return {"gpu": r.index, "free_gib": round(r.free / gpu_memory.GIB, 2), "total_gib": round(r.total / gpu_memory.GIB, 2),
+            "holders": [{"pid": h.pid, "name": h.name, "gib": round(h.used / gpu_memory.GIB, 2)} for h in r.holders]}
+
+
 def evaluate(args) -> dict:
     export = export_of(args.out / f"run_{args.recipe}", saved_step(args))
     if not export.is_dir():
@@ -93,9 +105,13 @@ def evaluate(args) -> dict:
                "--out", str(out), "--limit", str(args.limit), "--samples", "1",
                "--max-new-tokens", str(args.max_response_length)]
         print(f"[smoke-gpu] eval {suite}: {' '.join(cmd)}", flush=True)
+        held = held_at_start()
+        problems += [f"eval {suite}: the smoke's own process holds {h['gib']} GiB of GPU memory at the evaluation's start"
+                     for h in held.get("holders", []) if h["pid"] == os.getpid()]
         start = time.monotonic()
         code = subprocess.run(cmd, cwd=REPO, env={**os.environ, "PYTHONUNBUFFERED": "1"}).returncode
-        run = {"suite": suite, "returncode": code, "wall_s": round(time.monotonic() - start, 1), "out": str(out)}
+        run = {"suite": suite, "returncode": code, "wall_s": round(time.monotonic() - start, 1), "out": str(out),
+               "gpu_at_start": held}
         summary_file = out / "summary.json"
         if code != 0:
             problems.append(f"eval {suite}: exit {code}")
@@ -104,7 +120,7 @@ def evaluate(args) -> dict:
         else:
             summary = json.loads(summary_file.read_text())
             run.update({k: summary.get(k) for k in ("pass_at_1", "n_questions", "n_samples", "truncation_rate",
-                                                     "complete")})
+                                                     "complete", "gpu_memory_utilization")})
             if not summary.get("complete") or summary.get("n_samples") != summary.get("n_questions"):
                 problems.append(f"eval {suite}: {summary.get('n_samples')} samples graded for "
                                 f"{summary.get('n_questions')} questions")
@@ -126,9 +142,9 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     args.out = args.out.resolve()
     args.out.mkdir(parents=True, exist_ok=True)
-    import torch
+    from opd_patches.bench.step import gpu_visible
 
-    if not torch.cuda.is_available():  # in this driver only; the trainer and eval are separate processes
+    if not gpu_visible():  # asked through NVML: this driver never creates a CUDA context
         print("[smoke-gpu] needs a CUDA GPU with vLLM installed; `make smoke` is the CPU check", file=sys.stderr)
         return 2
     report_file = args.out / "smoke_gpu.json"

@@ -2,7 +2,7 @@
 MATH-500 / AIME problems (verbatim, re-spaced, with a preamble, one number changed) removed, VERL's
 own dataset class reads the output, and the prompt is the one evaluation renders.
 
-The evaluation problems come from ../shared/data/math (read in place, never copied).
+The evaluation problems are the real ones (tests/real_problems.py: read in place, never copied).
 """
 
 import json
@@ -17,9 +17,9 @@ from opd_patches import prompt
 from opd_patches.data import text
 from opd_patches.data.decontaminate import NGRAM, THRESHOLD, EvalIndex
 from opd_patches.data.prepare import prepare
+from real_problems import DATA, missing
 
 REPO = Path(__file__).resolve().parents[1]
-DATA = REPO.parent / "shared" / "data" / "math"
 
 DAPO_PREFIX = (
     "Solve the following math problem step by step. The last line of your response should be of the form "
@@ -31,7 +31,7 @@ DAPO_SUFFIX = '\n\nRemember to put your answer on its own line after "Answer:".'
 def eval_rows(name):
     path = DATA / f"{name}.jsonl"
     if not path.exists():
-        pytest.skip(f"{path} is missing: the real evaluation problems live in ../shared/data/math beside the checkout")
+        pytest.skip(missing(path))
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 

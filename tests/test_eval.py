@@ -3,7 +3,7 @@ MATH-500 questions x 2 samples x 16 tokens writes all three outputs; a cut-off r
 the missing samples; other settings in the same folder are refused; the verifier is consulted only on
 samples the rule grader could not decide; plots and the paired comparison of two result files.
 
-Questions come from ../shared/data/math (read in place; skipped where absent).
+Questions come from tests/real_problems.py's folder (read in place; skipped where absent).
 """
 
 import json
@@ -18,9 +18,9 @@ from background import Spec, shared_run
 from opd_patches import prompt
 from opd_patches.eval import compare, harness, plot, summary, suites
 from opd_patches.eval.verifier import apply_verdict, build_prompt, parse_verdict
+from real_problems import DATA, missing
 
 REPO = Path(__file__).resolve().parents[1]
-DATA = REPO.parent / "shared" / "data" / "math"
 PNG = b"\x89PNG\r\n\x1a\n"
 SMALL = ["--limit", "3", "--samples", "2", "--max-new-tokens", "16"]
 
@@ -28,7 +28,7 @@ SMALL = ["--limit", "3", "--samples", "2", "--max-new-tokens", "16"]
 @pytest.fixture(scope="module")
 def data_dir():
     if not (DATA / "math500.jsonl").exists():
-        pytest.skip(f"{DATA}/math500.jsonl is missing: evaluation questions live in ../shared/data/math")
+        pytest.skip(missing(DATA / "math500.jsonl"))
     return DATA
 
 

@@ -1,7 +1,7 @@
 """The grader and the reward function: real gold answers, equivalent forms, extraction rules, the
 process-based timeout from worker threads, and VERL's own loading of the reward function.
 
-Real problems come from ../shared/data/math (never copied into the repository).
+Real problems come from tests/real_problems.py's folder (read in place, never copied into the repository).
 """
 
 import asyncio
@@ -17,16 +17,16 @@ import torch
 
 from opd_patches import grader, reward
 from opd_patches.grader import grade
+from real_problems import DATA, missing
 
 REPO = Path(__file__).resolve().parents[1]
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "math"
 PATHOLOGICAL = "9^{9^{9^{9}}}"  # sympy tries to evaluate the tower and never finishes
 
 
 def rows(name):
     path = DATA / f"{name}.jsonl"
     if not path.exists():
-        pytest.skip(f"{path} is missing: the real gold answers live in ../shared/data/math beside the checkout")
+        pytest.skip(missing(path))
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 

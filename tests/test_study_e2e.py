@@ -8,7 +8,7 @@ Ctrl-C or a scheduler would) once the first run is complete and the second has s
 is killed again with SIGKILL (no clean-up of its own) once the second run's Ray is up again: the guard of
 that run (opd_patches/study/guard.py) must take down every process of the training. Then the same
 command is run to the end: the complete run must be skipped (never relaunched), the second resumed,
-trained, both evaluated and reported. Questions come from ../shared/data/math (skipped where absent).
+trained, both evaluated and reported. Questions come from tests/real_problems.py's folder (skipped where absent).
 """
 
 import json
@@ -26,10 +26,10 @@ from background import Spec, shared_run
 from opd_patches.ops import checkpoints
 from opd_patches.study import runner
 
+from real_problems import DATA, missing
 from test_study_guard import wait_gone
 
 REPO = Path(__file__).resolve().parents[1]
-DATA = REPO.parent / "shared" / "data" / "math"
 PNG = b"\x89PNG\r\n\x1a\n"
 SPEC = REPO / "recipes" / "studies" / "smoke.yaml"
 SEED = yaml.safe_load(SPEC.read_text())["seeds"][0]
@@ -105,7 +105,7 @@ study_run = shared_run("study_run", lambda base: Spec(fn=_study), cost=4)
 @pytest.fixture(scope="module")
 def study(study_run):
     if not (DATA / "math500.jsonl").exists():
-        pytest.skip(f"{DATA}/math500.jsonl is missing: evaluation questions live in ../shared/data/math")
+        pytest.skip(missing(DATA / "math500.jsonl"))
     return study_run.value
 
 

@@ -15,8 +15,8 @@ the place VERL expects one:
 - `HFServerAdapter`, registered as the `("hf", "async")` rollout class, lives in the training
   worker and pushes the actor's weights to its server after every update.
 
-It is a smoke/test backend: correct, batched, but HF generate is far slower than vLLM
-(../shared/notes/gpu.md measured 80.7 ms per decode step at batch 32 on an H200).
+It is a smoke/test backend: correct, batched, but HF generate is far slower than vLLM (each decode
+step an eager forward driven from Python: no CUDA graphs, paged KV cache or continuous batching).
 """
 
 import asyncio

@@ -8,7 +8,9 @@ Builds random-weight R1-Distill-Qwen-1.5B-architecture student (seed 0) and teac
 opd_patches/embedded/r1_arch.py, runs `run.sh recipe=R` on the embedded prompts (the colocated
 teacher by default; extra Hydra overrides with --override), and reports per step VERL's `timing_s/*`
 phases, response lengths and the actor's peak memory (from `<run>/metrics.jsonl`), the device's peak
-memory over the whole run (nvidia-smi, sampled every 0.5 s: vLLM's KV cache included), and start-up
+memory over the whole run (nvidia-smi, sampled every 0.5 s: vLLM's KV cache included) with each
+process's own peak (which of the trainer's processes holds what; the models are drawn in a child
+process, so this driver holds none), and start-up
 time (launch to the end of step 1, minus step 1). One save, after step `--save-after` (default 1; 0: none)
 and not at the end, so that the save's stall on training shows in a step that another follows
 (`timing_s/save_checkpoint`: what the trainer waited; the state's export, validation and hashing run in
@@ -32,31 +34,69 @@ REPO = Path(__file__).resolve().parents[2]
 PHASE_KEYS = ("gen", "teacher", "old_log_prob", "update_actor", "update_weights", "save_checkpoint", "step")
 
 
+def _smi(query: str, *fields: str) -> list[list[str]]:
+    out = subprocess.run(["nvidia-smi", f"--query-{query}={','.join(fields)}", "--format=csv,noheader,nounits"],
+                         capture_output=True, text=True, timeout=10).stdout
+    return [[x.strip() for x in line.split(",")] for line in out.strip().splitlines() if line.strip()]
+
+
+def process_name(pid: int) -> str:
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return "?"
+    return " ".join(a.decode(errors="replace") for a in argv if a)[:100] or "?"
+
+
 class DevicePeak(threading.Thread):
-    """Peak `memory.used` (MiB) per GPU seen by nvidia-smi while running; empty without nvidia-smi."""
+    """Peak memory seen by nvidia-smi while running: `memory.used` per GPU (every process on the device,
+    this one's included) and each compute process's own `used_memory` (which process holds what);
+    empty without nvidia-smi."""
 
     def __init__(self, period: float = 0.5):
         super().__init__(daemon=True)
-        self.period, self.peak, self._halt = period, {}, threading.Event()
+        self.period, self.peak, self.process_peak, self._halt = period, {}, {}, threading.Event()
 
     def run(self):
         while not self._halt.is_set():
             try:
-                out = subprocess.run(
-                    ["nvidia-smi", "--query-gpu=index,memory.used", "--format=csv,noheader,nounits"],
-                    capture_output=True, text=True, timeout=10,
-                ).stdout
+                devices = _smi("gpu", "index", "memory.used")
+                processes = _smi("compute-apps", "pid", "used_memory")
             except (OSError, subprocess.TimeoutExpired):
                 return
-            for line in out.strip().splitlines():
-                idx, used = (int(x) for x in line.split(","))
-                self.peak[idx] = max(self.peak.get(idx, 0), used)
+            for idx, used in devices:
+                self.peak[int(idx)] = max(self.peak.get(int(idx), 0), int(used))
+            for pid, used in processes:
+                if not used.isdigit():
+                    continue
+                name, peak = self.process_peak.get(int(pid), (process_name(int(pid)), 0))
+                self.process_peak[int(pid)] = (name, max(peak, int(used)))
             self._halt.wait(self.period)
 
     def stop(self) -> dict:
         self._halt.set()
         self.join(timeout=5)
-        return {f"gpu{i}_peak_gib": round(v / 1024, 2) for i, v in sorted(self.peak.items())}
+        out = {f"gpu{i}_peak_gib": round(v / 1024, 2) for i, v in sorted(self.peak.items())}
+        out["process_peaks"] = [{"pid": pid, "name": name, "peak_gib": round(peak / 1024, 2)}
+                                for pid, (name, peak) in sorted(self.process_peak.items(), key=lambda kv: -kv[1][1])]
+        return out
+
+
+def build_r1_models(out: Path, device: str) -> tuple[Path, Path]:
+    """Student (seed 0) and teacher (seed 1) at the R1-Distill-1.5B architecture, drawn in a child process:
+    a CUDA draw in this process would keep its context and cached blocks on the GPU for as long as this
+    driver lives, beside the training and the evaluation it launches."""
+    cmd = [sys.executable, "-m", "opd_patches.embedded.r1_arch", "--out", str(out), "--seeds", "0", "1",
+           "--device", device]
+    subprocess.run(cmd, check=True, cwd=REPO)
+    return out / "seed0", out / "seed1"
+
+
+def gpu_visible() -> bool:
+    """A CUDA device is visible, asked through NVML (no CUDA context in this process)."""
+    import torch
+
+    return torch.cuda.device_count() > 0
 
 
 def step_rows(metrics_file: Path) -> list[dict]:
@@ -93,15 +133,12 @@ def run(recipe: str, steps: int, rollout: str, workdir: Path, overrides: list[st
     folder of its own so that runs on other GPUs of the host do not wait for each other. `lengths`: a
     length profile or schedule (lengths.py), enforced per request by a bench-only agent loop."""
     from opd_patches.embedded import build as embedded
-    from opd_patches.embedded import r1_arch
 
-    import torch
-
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = "cuda" if gpu_visible() else "cpu"
     start = time.monotonic()
     data = embedded.build(REPO / ".cache" / "embedded")
     if arch == "r1":
-        student, teacher = r1_arch.build(workdir / "r1_arch", seeds=(0, 1), device=device)
+        student, teacher = build_r1_models(workdir / "r1_arch", device)
     else:  # the tiny embedded models: a quick check of this script on a CPU
         student, teacher = data["student"], data["teacher"]
     build_s = time.monotonic() - start
@@ -227,7 +264,9 @@ def phase_entry(size_name: str, recipes: dict) -> dict:
             })
     notes = [f"{n}: {r['rollout']} rollout, {r['steps_done']}/{r['steps_requested']} steps, start-up "
              f"{r.get('startup_s')} s, device peak {r.get('device_peak_gib', r.get('gpu0_peak_gib'))} GiB"
-             + (f" (GPU {r['gpu']})" if r.get("gpu") is not None else "") for n, r in sorted(recipes.items())]
+             + (f" (GPU {r['gpu']})" if r.get("gpu") is not None else "")
+             + "; per process: " + (", ".join(f"{p['peak_gib']} GiB {p['name'][:40]}" for p in r.get("process_peaks", [])[:4])
+                                    or "not reported") for n, r in sorted(recipes.items())]
     notes.append("ratio = timing_s/step (save excluded) / sum of gen, old_log_prob (teacher inside), adv, "
                  "update_actor, update_weights; peak = actor/perf/max_memory_allocated_gb")
     return {"size": size_name, "recipes": recipes, "rows": rows, "notes": notes}

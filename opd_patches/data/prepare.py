@@ -24,8 +24,8 @@ Written: `<out>/train.parquet` [`<out>/val.parquet`] and `<out>/data_report.json
 evaluation sets used, every removed row with its match); the counts are also printed.
 
 The evaluation sets default to every *.jsonl in the evaluation data folder (`$OPD_EVAL_DATA`, else
-~/data/opd-eval, as `opd_patches.eval`), else ../shared/data/math beside the checkout; none found
-is an error unless `--no-decontaminate`.
+~/data/opd-eval, as `opd_patches.eval`), which `make data-eval` fills; none there is an error naming
+that command, unless `--eval-sets` or `--no-decontaminate` is given.
 """
 
 from __future__ import annotations
@@ -43,8 +43,6 @@ from opd_patches import prompt as prompt_template
 from opd_patches.data.decontaminate import NGRAM, THRESHOLD, EvalIndex, read_eval_problems
 from opd_patches.data.text import key
 
-REPO = Path(__file__).resolve().parents[2]
-SHARED_EVAL_DATA = REPO.parent / "shared" / "data" / "math"
 DEFAULT_OUT = Path.home() / "data" / "dapo-math"  # run.sh's TRAIN_FILES default lives here
 
 _DAPO_PREFIX_RE = re.compile(
@@ -54,14 +52,18 @@ _DAPO_PREFIX_RE = re.compile(
 _DAPO_SUFFIX_RE = re.compile(r"\s*Remember to put your answer on its own line after \"Answer:\"\.?\s*$")
 
 
+def _exists(path: Path) -> None:
+    if not path.exists():
+        raise FileNotFoundError(f"source {path} does not exist (SRC= takes .parquet, .jsonl or .json files)")
+
+
 def _read(path: Path) -> list[dict]:
     import pandas as pd
     import pyarrow as pa
 
     from opd_patches.inputs import InputError
 
-    if not path.exists():
-        raise FileNotFoundError(f"source {path} does not exist (SRC= takes .parquet, .jsonl or .json files)")
+    _exists(path)
     if path.suffix == ".parquet":
         try:
             return pd.read_parquet(path).to_dict("records")
@@ -129,14 +131,20 @@ def answer_text(row: dict) -> str | None:
 
 
 def default_eval_sets() -> list[Path]:
+    from opd_patches.data.eval_sets import EXAMPLE
     from opd_patches.eval.suites import default_data_dir
 
-    for folder in (default_data_dir(), SHARED_EVAL_DATA):
-        if folder.is_dir() and any(folder.glob("*.jsonl")):
-            return [folder]
+    folder = default_data_dir()
+    if folder.is_dir() and any(folder.glob("*.jsonl")):
+        return [folder]
     raise FileNotFoundError(
-        f"no evaluation sets to decontaminate against: neither {default_data_dir()} ($OPD_EVAL_DATA) nor "
-        f"{SHARED_EVAL_DATA} holds *.jsonl files; pass --eval-sets FILE_OR_DIR ... or --no-decontaminate"
+        f"no evaluation sets to decontaminate against: the evaluation data folder {folder} ($OPD_EVAL_DATA, "
+        f"else ~/data/opd-eval) holds no *.jsonl files. Fill it first (online, from the Hugging Face hub):\n"
+        f"    make data-eval EVAL_SETS=\"{EXAMPLE}\"\n"
+        f"or from local files (.parquet/.jsonl/.json with problem and answer columns):\n"
+        f"    make data-eval EVAL_SETS=\"math500=FILE aime24=FILE aime25=FILE\"\n"
+        f"then run make data again. Other sets: DATA_ARGS=\"--eval-sets FILE_OR_DIR ...\"; no decontamination "
+        f"(training data may then hold evaluation problems): DATA_ARGS=--no-decontaminate"
     )
 
 
@@ -147,6 +155,11 @@ def prepare(sources, out: Path, eval_sets=None, decontaminate: bool = True, val_
 
     started = time.time()
     stages, removed = [], {"invalid": 0, "duplicate": 0, "contaminated": []}
+    for src in sources:  # every missing input refused before the sources are read
+        _exists(Path(src))
+    if decontaminate:
+        paths = [Path(p) for p in eval_sets] if eval_sets else default_eval_sets()
+        problems = read_eval_problems(paths)
 
     def stage(name, n, note=""):
         stages.append({"stage": name, "rows": n, "note": note})
@@ -181,8 +194,6 @@ def prepare(sources, out: Path, eval_sets=None, decontaminate: bool = True, val_
 
     eval_info = None
     if decontaminate:
-        paths = [Path(p) for p in eval_sets] if eval_sets else default_eval_sets()
-        problems = read_eval_problems(paths)
         index = EvalIndex(problems)
         kept = []
         for item in unique:

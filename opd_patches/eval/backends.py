@@ -46,8 +46,10 @@ def vllm_available() -> bool:
     return torch.cuda.device_count() > 0
 
 
-def make_backend(name: str, model: str, max_model_len: int, batch_size: int | None = None, seed: int = 0):
-    """`name` "auto" picks vllm when importable with a CUDA device, else hf."""
+def make_backend(name: str, model: str, max_model_len: int, batch_size: int | None = None, seed: int = 0,
+                 gpu_memory: float | None = None):
+    """`name` "auto" picks vllm when importable with a CUDA device, else hf. `gpu_memory`: vLLM's
+    share of the GPU (default: sized from the memory free at its start)."""
     if name == "auto":
         name = "vllm" if vllm_available() else "hf"
     if name == "hf":
@@ -55,7 +57,7 @@ def make_backend(name: str, model: str, max_model_len: int, batch_size: int | No
     if name == "vllm":
         from opd_patches.eval.vllm_backend import VLLMBackend
 
-        return VLLMBackend(model, max_model_len=max_model_len, batch_size=batch_size, seed=seed)
+        return VLLMBackend(model, max_model_len=max_model_len, batch_size=batch_size, seed=seed, gpu_memory=gpu_memory)
     raise ValueError(f"unknown backend {name!r}: hf, vllm or auto")
 
 

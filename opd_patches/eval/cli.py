@@ -23,6 +23,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--seed", type=int)
     ap.add_argument("--backend", choices=["auto", "hf", "vllm"], default="auto", help="auto: vllm when importable with a GPU, else hf")
     ap.add_argument("--batch-size", type=int, help="prompts per generate call (hf: 32 on CUDA, 8 on CPU; vllm: 1024)")
+    ap.add_argument("--gpu-memory-utilization", dest="gpu_memory_utilization", type=float,
+                    help="vllm: share of the GPU's memory (default: sized from what is free at the engine's start, "
+                         "at most 0.9; $OPD_EVAL_GPU_MEM sets it too)")
     ap.add_argument("--step", type=int, help="training step for plots (default: from global_step_N in --model)")
     ap.add_argument("--grade-timeout", dest="grade_timeout_s", type=float, default=10.0, help="math-verify seconds per sample")
     ap.add_argument("--teacher-kl", dest="teacher_kl", help="teacher model folder: also measure the teacher-KL of fresh "
@@ -38,9 +41,11 @@ def main(argv=None) -> int:
     args = vars(parser().parse_args(argv))
     from opd_patches.eval.harness import run
 
+    from opd_patches.eval.gpu_memory import NotEnoughGPUMemory
+
     try:
         summary = run(args)
-    except (FileNotFoundError, KeyError, ValueError) as exc:
+    except (FileNotFoundError, KeyError, ValueError, NotEnoughGPUMemory) as exc:
         print(f"[eval] error: {exc}", file=sys.stderr)
         return 2
     return 0 if summary else 1

@@ -15,7 +15,8 @@ per chunk gives samples done, tokens/s, the remaining time at that pace and the 
 
 Before generating it prints an estimate: pending samples x max_new_tokens (every sample at the cap;
 one that stops at its EOS takes less) over a decode rate, measured on one batch for the hf backend, assumed for vllm
-(10k tokens/s, ../shared/notes/gpu.md measured 9.7k at batch 32 for a 1.5B model on an H200).
+(VLLM_ASSUMED_TOKENS_PER_S, the order of a 1.5B model's batched decode on one GPU: measuring it would
+cost a batch of vLLM generation before the run).
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ def _check_config(out: Path, config: dict) -> None:
     if path.exists() and summary_mod.load_records(out / "generations.jsonl")[0]:
         old = json.loads(path.read_text())
         diff = [f"{k}: {old.get(k)!r} -> {config[k]!r}" for k in MUST_MATCH if old.get(k) != config[k]]
-        for key in ("backend", "prompt_opens_thought"):  # kept when a resume generates nothing
+        for key in ("backend", "gpu_memory_utilization", "prompt_opens_thought"):  # kept when a resume generates nothing
             config.setdefault(key, old.get(key))
         if diff:
             raise ValueError(
@@ -130,7 +131,8 @@ def run_verifier(records: list[dict], questions: dict, args, backend_name: str, 
         log("verifier: nothing to judge (the rule grader decided every sample)")
         return 0
     log(f"verifier: {len(todo)} samples the rule grader could not decide -> {args['verifier']}")
-    backend = make_backend(backend_name, args["verifier"], max_model_len, args.get("batch_size"))
+    backend = make_backend(backend_name, args["verifier"], max_model_len, args.get("batch_size"),
+                           gpu_memory=args.get("gpu_memory_utilization"))
     verifier = Verifier(backend, args["verifier"], args["verifier_max_new_tokens"], args.get("verifier_prompt"))
     verdicts = verifier.judge([(questions[r["id"]]["problem"], r["gold"], r["extracted"] or "") for r in todo])
     for r, (verdict, raw) in zip(todo, verdicts):
@@ -183,9 +185,10 @@ def run(args: dict) -> dict:
     generated, est = 0, None
     if pending:
         backend = make_backend(backend_name, args["model"], _max_model_len(questions, protocol), args.get("batch_size"),
-                               protocol["seed"])
+                               protocol["seed"], gpu_memory=args.get("gpu_memory_utilization"))
         backend_name = backend.name
         config["backend"] = backend.description
+        config["gpu_memory_utilization"] = getattr(backend, "gpu_memory_utilization", None)
         _write_atomic(out / "eval_config.json", json.dumps(config, indent=2) + "\n")
         tok = backend.tokenizer
         prompts = {q["id"]: prompt_template.render(tok, q["problem"]) for q in questions}

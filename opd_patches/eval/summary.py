@@ -91,6 +91,7 @@ def summarize(records: list[dict], config: dict, n_expected: int, elapsed_s: flo
         "n_expected_samples": n_expected,
         "protocol": {k: config[k] for k in ("samples", "max_new_tokens", "temperature", "top_p", "seed", "limit")},
         "backend": config.get("backend"),
+        "gpu_memory_utilization": config.get("gpu_memory_utilization"),
         "verifier": config.get("verifier"),
         "elapsed_s": elapsed_s,
         "written_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),

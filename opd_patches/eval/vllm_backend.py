@@ -5,14 +5,15 @@ own continuous batches) with one `SamplingParams` per prompt carrying that sampl
 not depend on batching or on where a resumed run restarted. The harness hands it chunks of
 `batch_size` (default 1,024) prompts and writes each chunk's results before the next, which bounds what
 an interruption loses. Prompts go in as token ids (no special tokens added: the chat template has the
-BOS), as in VERL's vLLM rollout. `tensor_parallel_size` is `$OPD_EVAL_TP` (default 1),
-`gpu_memory_utilization` `$OPD_EVAL_GPU_MEM` (default 0.9). Compilation as the training rollout's
+BOS), as in VERL's vLLM rollout. `tensor_parallel_size` is `$OPD_EVAL_TP` (default 1);
+`gpu_memory_utilization` is sized from the memory free at the engine's start
+(`opd_patches.eval.gpu_memory`), unless given (`--gpu-memory-utilization`, `$OPD_EVAL_GPU_MEM`). Compilation as the training rollout's
 (recipes/device/gpu.yaml: CUDA graphs for decode, no torch.compile; on an H200 the engine starts in
 about 110 s instead of about 140 s with vLLM's default, at the same decode speed, notes/gpu.md);
 `OPD_EVAL_VLLM_COMPILE=default` gives vLLM's own default.
 
-With `--verifier`, the judge's engine starts after the evaluated model's is deleted, but vLLM does not
-always hand all GPU memory back within one process: set `OPD_EVAL_GPU_MEM=0.45` so that both fit.
+With `--verifier`, the judge's engine starts after the evaluated model's is deleted; vLLM does not
+always hand all GPU memory back within one process, and the judge's share is sized from what is left.
 
 Start method: vLLM runs its engine core in a child process, forked unless
 `VLLM_WORKER_MULTIPROC_METHOD=spawn`, and forces spawn itself only when `torch.cuda.is_initialized()`.
@@ -31,6 +32,8 @@ from __future__ import annotations
 import os
 
 from opd_patches.eval.completion import Completion
+from opd_patches.eval.gpu_memory import engine_share as gpu_memory_share
+from opd_patches.eval.gpu_memory import explicit_share
 
 START_METHOD_VAR = "VLLM_WORKER_MULTIPROC_METHOD"
 ROLLOUT_COMPILATION = {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}  # = recipes/device/gpu.yaml
@@ -46,25 +49,29 @@ def compilation_config() -> dict | None:
 class VLLMBackend:
     name = "vllm"
 
-    def __init__(self, model: str, max_model_len: int, batch_size: int | None = None, seed: int = 0):
+    def __init__(self, model: str, max_model_len: int, batch_size: int | None = None, seed: int = 0,
+                 gpu_memory: float | None = None):
         os.environ.setdefault(START_METHOD_VAR, "spawn")  # before vLLM reads its env: see the docstring
+        tp = int(os.environ.get("OPD_EVAL_TP", "1"))
+        share, how = gpu_memory_share(model, max_model_len, tp, explicit_share(gpu_memory))
+        print(f"[eval] vllm: {how}", flush=True)
         from vllm import LLM, SamplingParams
 
         self.SamplingParams = SamplingParams
-        tp = int(os.environ.get("OPD_EVAL_TP", "1"))
         self.llm = LLM(
             model=model,
             dtype="auto",
             seed=seed,
             max_model_len=max_model_len,
             tensor_parallel_size=tp,
-            gpu_memory_utilization=float(os.environ.get("OPD_EVAL_GPU_MEM", "0.9")),
+            gpu_memory_utilization=share,
             enable_prefix_caching=True,  # the samples of one question share their prompt
             **({"compilation_config": cc} if (cc := compilation_config()) else {}),
         )
         self.tokenizer = self.llm.get_tokenizer()
         self.batch_size = batch_size or 1024
-        self.description = f"vllm (tensor parallel {tp}, chunks of {self.batch_size})"
+        self.gpu_memory_utilization = share
+        self.description = f"vllm (tensor parallel {tp}, chunks of {self.batch_size}, {how})"
 
     def count_tokens(self, text: str) -> int:
         return len(self.tokenizer(text, add_special_tokens=False).input_ids)

@@ -4,7 +4,8 @@ a model load start (opd_patches.main for training, opd_patches.eval for `make ev
 was found and the fix; the callers print it as one block and exit with status 2, without a traceback.
 
 - data.py: VERL's RL parquet (train/val files), `make data` sources, evaluation-suite JSONL;
-- models.py: a model reference (local folder, or a hub id already in the local cache).
+- models.py: a model reference (local folder, or a hub id already in the local cache);
+- resources.py: the disk for the kept states and the host memory for the saves' snapshot and the parked teacher.
 """
 
 
