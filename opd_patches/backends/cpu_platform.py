@@ -137,6 +137,43 @@ def selected() -> bool:
     return os.environ.get("VERL_PLATFORM", "").strip().lower() == "cpu"
 
 
+COMPUTE_DTYPES = ("auto", "float32", "bfloat16")
+BF16_FLAGS = ("amx_bf16", "avx512_bf16", "bf16", "sve_bf16")  # x86 (AMX, AVX512), Arm (NEON, SVE)
+
+
+def native_bf16() -> tuple[bool, str]:
+    """Whether torch runs bf16 maths natively on this CPU, and why (for the launch line).
+
+    Native: the CPU has bf16 dot-product instructions and oneDNN may use them (torch's bf16 matmuls go
+    through oneDNN only then; otherwise they take a fallback far slower than fp32). oneDNN's check also
+    sees an ISA cap such as ONEDNN_MAX_CPU_ISA, which every process of the run inherits alike."""
+    caps = torch.cpu.get_capabilities() if hasattr(torch.cpu, "get_capabilities") else {}
+    flags = [flag for flag in BF16_FLAGS if caps.get(flag)]
+    if not flags:
+        return False, "this CPU has no native bf16"
+    try:
+        onednn = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):  # a torch built without oneDNN
+        onednn = False
+    if not onednn:
+        why = f"this CPU has {flags[0]}, but oneDNN does not use it"
+        cap = os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA")
+        return False, f"{why}: ISA capped at {cap}" if cap else why
+    return True, f"native bf16 on this CPU: {flags[0]}"
+
+
+def compute_dtype(choice) -> tuple[str, str]:
+    """The training engines' compute dtype on the CPU for recipe value `choice` (opd.cpu_dtype), and why.
+    auto: bfloat16 (upstream's mixed precision) where bf16 is native, else float32."""
+    choice = "auto" if choice is None else str(choice)
+    if choice not in COMPUTE_DTYPES:
+        raise ValueError(f"opd.cpu_dtype={choice!r}: use one of {', '.join(COMPUTE_DTYPES)}.")
+    if choice != "auto":
+        return choice, f"opd.cpu_dtype={choice}"
+    native, why = native_bf16()
+    return ("bfloat16" if native else "float32"), why
+
+
 if selected():
     # VERL registers its FSDP engine for cuda/npu only; the engine code itself is device-agnostic
     # (it asks the platform for the device), so look it up under "cuda".
