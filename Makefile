@@ -1,4 +1,4 @@
-# make install | smoke | smoke-gpu [PART=train|eval] | test | test-fast | vendor-check | validate CKPT=... | preflight STUDENT=... TEACHER=... | vendor
+# make install | smoke | smoke-gpu [PART=train|eval] | test | test-fast | lint | vendor-check | validate CKPT=... | preflight STUDENT=... TEACHER=... | vendor
 # make checkpoints RUN=... [VERIFY=1]   (a run folder's trainer states: step, complete, export validation)
 # make patch [BASE=ref] [PATCH_FILE=opd.patch] | patch-check [BASE=ref]   (the submission patch)
 # make data SRC=... [OUT=...] | data-eval EVAL_SETS=... | eval MODEL=... SUITE=math500|aime|embedded [OUT=...] | plot RUN=...   (data, evaluation)
@@ -23,7 +23,7 @@ PY := $(VENV)/bin/python
 DEPS := $(VENV)/.installed-$(PROFILE)
 endif
 
-.PHONY: learn install smoke smoke-gpu test test-fast vendor-check vendor validate preflight patch patch-check data data-eval eval plot bench bench-cpu-kernels bench-logprob checkpoints study arms
+.PHONY: learn install smoke smoke-gpu test test-fast lint vendor-check vendor validate preflight patch patch-check data data-eval eval plot bench bench-cpu-kernels bench-logprob checkpoints study arms
 
 install: $(DEPS)
 	@$(PY) opd_patches/ops/patch.py record-base   # tags the commit you start from as opd-base, once
@@ -69,6 +69,10 @@ test: $(DEPS)
 test-fast: $(DEPS)
 	PYTHONDONTWRITEBYTECODE= $(PY) -m pytest -q -m "not slow and not fresh_process" --durations=10
 
+# No machine names, dates, commit hashes, issue numbers or measured figures in comments (tools/lint_history.py).
+lint:
+	python3 tools/lint_history.py
+
 vendor-check: $(DEPS)
 	$(PY) verl_vendor/vendor.py check
 
@@ -94,7 +98,7 @@ preflight: $(DEPS)
 	@test -n "$(STUDENT)" -a -n "$(TEACHER)" || { echo "usage: make preflight STUDENT=<model> TEACHER=<model> [DATA=train.parquet] [PREFLIGHT_OUT=preflight.json]"; exit 2; }
 	$(PY) -m opd_patches.preflight --student $(STUDENT) --teacher $(TEACHER) $(if $(DATA),--data $(DATA)) --out $(PREFLIGHT_OUT) $(PREFLIGHT_ARGS)
 
-# The submission patch: the editable surface (opd_patches recipes run.sh Makefile README.md docs tests),
+# The submission patch: the editable surface (opd_patches recipes run.sh Makefile README.md docs tests tools),
 # untracked files included, diffed against BASE (default: the tag opd-base that `make install` made).
 # patch-check rewrites it, applies it to a clean checkout of the base and runs the vendor check.
 # (opd_patches/ops/patch.py is run as a script, = python -m opd_patches.ops.patch without importing verl.)

@@ -4,7 +4,8 @@
 - the `cpu` platform (`PlatformRegistry`, selected by `VERL_PLATFORM=cpu`);
 - the `hf` rollout backend (`RolloutReplicaRegistry` and the `("hf", "async")` rollout class);
 - the distillation loss `forward_kl_topk_tail` (`register_distillation_loss`);
-- the run-time patches of `backends.upstream_patches`;
+- the run-time patches of `opd_patches.patches` made at registration (its `apply_all`; the `("hf", "async")`
+  rollout class among them);
 - the attention implementation `torch_varlen` (transformers' `AttentionInterface`, `backends.torch_varlen`).
 
 Importing this package registers nothing and does not import VERL, so the evaluation, data and
@@ -34,13 +35,13 @@ def _check_verl_version():
 def register():
     """Register everything with VERL; safe to call more than once (the single entry point)."""
     _check_verl_version()
-    from verl.workers.rollout import base as rollout_base
     from verl.workers.rollout.replica import RolloutReplicaRegistry
 
-    from opd_patches.backends import cpu_platform, torch_varlen, upstream_patches  # noqa: F401  (registers "cpu")
+    from opd_patches import patches
+    from opd_patches.backends import cpu_platform, torch_varlen  # noqa: F401  (registers "cpu")
     from opd_patches.losses import forward_kl_topk_tail  # noqa: F401  (registers the loss)
 
-    upstream_patches.apply()
+    patches.apply_all()
     torch_varlen.register()  # attention "torch_varlen" in transformers' registries (packed inputs, no flash-attn)
 
     def _load_hf_replica():
@@ -49,5 +50,3 @@ def register():
         return HFReplica
 
     RolloutReplicaRegistry.register("hf", _load_hf_replica)
-    # VERL has no public hook for the in-worker rollout class; this dict is where its own backends live.
-    rollout_base._ROLLOUT_REGISTRY[("hf", "async")] = "opd_patches.backends.hf_rollout.HFServerAdapter"

@@ -4,11 +4,12 @@
 
 (run.sh is the usual way in.) Between Hydra and VERL's own V1 trainer it only: takes the one-run
 lock and checks that no other process holds the assigned GPUs (opd_patches/ops/lock.py; exit 75 when
-refused, `opd.force=true` skips both), resolves the project's `opd.*` keys (teacher placement, attention), checks model and data paths, loss settings and
-student/teacher vocabularies, writes `manifest.json` into the run folder, routes metrics to
-`metrics.jsonl` there, and makes every Ray process import opd_patches. Training itself is
-upstream's `TaskRunnerV1` (with the colocated teacher: the registered trainer mode
-`colocated_teacher`, a subclass of upstream's sync trainer).
+refused, `opd.force=true` skips both), checks the disk and host memory the run will hold
+(opd_patches/inputs/resources.py), resolves the project's `opd.*` keys (teacher placement, attention,
+CPU compute dtype), checks model and data paths, loss settings and student/teacher vocabularies, writes
+`manifest.json` into the run folder, routes metrics to `metrics.jsonl` there, and makes every Ray
+process import opd_patches. Training itself is upstream's `TaskRunnerV1` (with the colocated teacher:
+the registered trainer mode `colocated_teacher`, a subclass of upstream's sync trainer).
 """
 
 import json
@@ -200,6 +201,43 @@ def apply_attention(config: DictConfig) -> None:
         config.actor_rollout_ref.model.override_config.attn_implementation = attn
 
 
+CPU_DTYPE_ROLES = ("actor", "ref")  # the FSDP training engines: the student (update, log-probs), the reference
+
+
+def apply_cpu_dtype(config: DictConfig) -> None:
+    """`opd.cpu_dtype` (CPU device only) -> upstream's
+    `actor_rollout_ref.{actor,ref}.fsdp_config.mixed_precision.param_dtype`, which sets both the FSDP2
+    MixedPrecisionPolicy's compute dtype and the engine's torch.autocast (none for fp32);
+    `fsdp_config.dtype` is read by the Megatron engine only. auto: float32 unless bf16 is native here
+    (opd_patches/backends/cpu_platform.py). The colocated teacher and the hf rollout compute in float32
+    on the CPU whatever this says. Says once which dtype and why."""
+    if str(config.trainer.device) != "cpu":
+        return
+    import torch
+    from verl.utils.torch_dtypes import PrecisionType
+
+    from opd_patches.backends import cpu_platform
+
+    choice = config.opd.get("cpu_dtype", "auto")
+    try:
+        dtype, why = cpu_platform.compute_dtype(choice)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
+    value = PrecisionType.to_str(getattr(torch, dtype))  # upstream's spelling: fp32 | bf16
+    for role in CPU_DTYPE_ROLES:
+        key = f"actor_rollout_ref.{role}.fsdp_config.mixed_precision.param_dtype"
+        upstream = OmegaConf.select(config, key, default=None)
+        if upstream is not None and PrecisionType.to_dtype(upstream) != getattr(torch, dtype):
+            raise ConfigError(f"{key}={upstream} but opd.cpu_dtype={choice} resolves to {dtype} ({why}): "
+                              f"set opd.cpu_dtype instead.")
+        fsdp = config.actor_rollout_ref[role].fsdp_config
+        with open_dict(config):
+            if fsdp.get("mixed_precision") is None:
+                fsdp.mixed_precision = {}
+            fsdp.mixed_precision.param_dtype = value
+    print(f"[opd] CPU compute dtype: {dtype} ({why})", flush=True)
+
+
 def apply_export(config: DictConfig) -> None:
     """`opd.background_export`: the save's finish builds the HF export from the state files
     (opd_patches/ops/state_export.py), so upstream's save leaves `hf_model` out of `save_contents`.
@@ -277,12 +315,12 @@ def configure_ray(config: DictConfig, run_dir: Path) -> None:
             env[var] = os.environ[var]
     from opd_patches.teacher.old_log_prob import entropy_detached
 
-    if entropy_detached(config):  # upstream_patches 7: the update's entropy is a metric only
+    if entropy_detached(config):  # patches/entropy_from_logits.py: the update's entropy is a metric only
         env["OPD_ENTROPY_DETACHED"] = "1"
     state_write = config.opd.get("background_state_write", True)
     if not isinstance(state_write, bool):
         raise ConfigError(f"opd.background_state_write={state_write!r}: use true or false.")
-    if state_write:  # upstream_patches 8: state files written by a thread of each worker
+    if state_write:  # patches/fsdp_save_checkpoint.py: state files written by a thread of each worker
         from opd_patches.ops import state_writer
 
         env[state_writer.ENV] = "1"
@@ -374,6 +412,7 @@ def prepare(config: DictConfig) -> Path:
     opd_patches.register()
     apply_placement(config)
     apply_attention(config)
+    apply_cpu_dtype(config)
     apply_old_log_prob(config)
     apply_export(config)
     apply_logging(config)
@@ -409,9 +448,12 @@ def run(config: DictConfig) -> None:
     if not config.trainer.use_v1:
         raise ConfigError("trainer.use_v1=false: opd_patches builds on VERL's V1 trainer only.")
     # Before prepare(): a refused run must not rotate the running one's files; before importing VERL: a
-    # refusal or a mistyped path costs no import (~8 s of CPU on 2 cores).
+    # refusal or a mistyped path costs no import (VERL pulls in torch and ray: seconds of CPU).
     hold_run_lock(config)
     check_inputs(config)
+    from opd_patches.inputs.resources import check_resources
+
+    check_resources(config)  # disk for the kept states, host memory for the pinned and parked copies
     from verl.trainer.main_ppo import TaskRunnerV1, run_ppo
     from verl.trainer.ppo.utils import need_critic, need_reference_policy
     from verl.utils.config import validate_config
@@ -440,8 +482,8 @@ def run(config: DictConfig) -> None:
 def searchpath_without_import(argv: list[str]) -> list[str]:
     """`argv` with run.sh's `pkg://verl.trainer.config` search path given as the same folder (file://).
 
-    Hydra imports a pkg:// path's package to find its files: `import verl` (torch, ray, ...: ~8 s of CPU on
-    2 cores) before this process takes the run lock or checks a path. VERL's config files are the same
+    Hydra imports a pkg:// path's package to find its files: `import verl` (torch, ray, ...: seconds of
+    CPU) before this process takes the run lock or checks a path. VERL's config files are the same
     either way; VERL itself is imported once those checks passed (run()). Unchanged when verl is not
     installed (Hydra then names the missing package)."""
     import importlib.util

@@ -18,8 +18,8 @@ eval: that export evaluated by the vLLM evaluation backend (`python -m opd_patch
     with every sample graded, scores.png written.
 
 Each part is one process tree; `--part train` and `--part eval` let a 10-minute GPU window run them as
-two commands back to back (start-up ~4 min + the save and validation of a 1.5B state + a second vLLM
-engine do not always fit one). Results, with launch-to-exit seconds and per-step phase times, go to
+two commands back to back (the start-up, the save and validation of a 1.5B state and a second vLLM
+engine do not always fit one, docs/performance.md). Results, with launch-to-exit seconds and per-step phase times, go to
 `<out>/smoke_gpu.json` (the two parts merge). Exit status non-zero names the first failed check.
 """
 

@@ -30,9 +30,9 @@ from typing import Any, Callable
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-# Switches some test modules set in os.environ at import for their in-process engine tests
-# (test_loss_invariance.py, test_skip_old_log_prob.py: OPD_LEAN_TOPK=0); a run of the product's defaults
-# must not inherit them (its recipe keys, passed to Ray by main.configure_ray, decide).
+# Switches in-process tests set for a while with monkeypatch (test_loss_invariance.py's TopkPath:
+# OPD_LEAN_TOPK); a run started meanwhile must not inherit them (its recipe keys, passed to Ray by
+# main.configure_ray, decide).
 # Ray's own start-up deadline: on a loaded 2-core machine several clusters starting at once can miss
 # it before any project code runs; such a run is started once more.
 RAY_START_TIMEOUT = "The current node timed out during startup"

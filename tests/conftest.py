@@ -25,8 +25,8 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")  # see the docstring: oversubscrip
 # As in every Ray process of a run: importing verl registers opd_patches (opd_patches/registered.py).
 os.environ["VERL_USE_EXTERNAL_MODULES"] = "opd_patches.registered"
 # As run.sh on a machine without a GPU. VERL fixes its platform when its trainer or engines are first
-# imported: set before any test module is (a module importing opd_patches.ops.trainer at collection, ahead
-# of one that sets the variable itself, left VERL on cuda for the rest of the session).
+# imported: set here, once, before any test module is imported (no test module sets it; one importing
+# opd_patches.ops.trainer at collection would otherwise fix VERL on cuda for the rest of the session).
 os.environ["VERL_PLATFORM"] = "cpu"
 
 

@@ -7,8 +7,10 @@ import sys
 from pathlib import Path
 from statistics import NormalDist
 
+import length_stats
 import pytest
 from background import Spec, shared_run
+from omegaconf import OmegaConf
 
 from opd_patches.bench import lengths
 
@@ -16,16 +18,15 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def test_seed_profile_reproduces_the_clip_rate_it_was_fitted_to():
-    """seed-math500 was fitted to 1.6 % of MATH-500 responses clipped at 12,288 tokens: 40,000 draws at a cap
-    far above it give that fraction (binomial SE 0.06 %), the stated median and the stated share at 7,168."""
-    draws = [lengths.draw("seed-math500", 10**6, 0, 1, str(i)) for i in range(40_000)]
-    over = sum(d > 12_288 for d in draws) / len(draws)
-    assert abs(over - 0.016) < 4 * math.sqrt(0.016 * 0.984 / len(draws)), over
-    median = sorted(draws)[len(draws) // 2]
-    assert abs(median - 4206) / 4206 < 0.02, median
-    capped = [min(d, 7168) for d in draws]
-    assert abs(sum(c == 7168 for c in capped) / len(capped) - 0.143) < 0.01
-    assert abs(sum(capped) / len(capped) - 4432) < 40  # the docstring's mean at the recipes' cap
+    """seed-math500 was fitted to 1.6 % of MATH-500 responses clipped at 12,288 tokens: its log-normal gives
+    that figure, and 40,000 draws follow that log-normal (at a cap far above it and at the recipes' cap)."""
+    spec, n = "seed-math500", 40_000
+    assert round(length_stats.above(spec, 12_288), 3) == 0.016  # the fit, to the figure's stated precision
+    draws = [lengths.draw(spec, 10**6, 0, 1, str(i)) for i in range(n)]
+    # a draw is above 12,288 when L rounds above it: L >= 12,288.5
+    length_stats.assert_share(sum(d > 12_288 for d in draws), n, length_stats.above(spec, 12_288.5), "above 12,288")
+    cap = OmegaConf.load(REPO / "recipes" / "base.yaml").data.max_response_length
+    length_stats.assert_follows(spec, [min(d, cap) for d in draws], cap)
 
 
 def test_draws_are_deterministic_clipped_and_keyed():

@@ -10,10 +10,6 @@ toothless (near ties); the layout tests use `sharp`, the teacher with its matric
 larger scale (fixed seed), so the top-k are well separated.
 """
 
-import os
-
-os.environ["VERL_PLATFORM"] = "cpu"  # before any VERL platform query; importing verl registers "cpu" (conftest)
-
 import copy
 import json
 import re

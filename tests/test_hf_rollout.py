@@ -10,10 +10,6 @@ use `sharp`: the student's architecture, config and tokenizer with its matrices 
 scale (fixed seed), so greedy continuations depend on the whole context and are far from ties.
 """
 
-import os
-
-os.environ["VERL_PLATFORM"] = "cpu"  # before any VERL platform query; importing verl registers "cpu" (conftest)
-
 import asyncio
 import json
 import shutil

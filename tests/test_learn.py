@@ -4,8 +4,8 @@ teacher, exports evaluated by the project's evaluation), then each study's summa
 
 Bounds (one seed, 200 held-out questions x 4 samples at T=1; the measurements behind them are in
 docs/learning.md):
-- the task: student pass@1 <= 0.2, teacher >= 0.8 (the build refuses otherwise; checked again here on the
-  study's own evaluation of both);
+- the task: student pass@1 <= 0.2, teacher >= 0.8 on the study's own evaluation of both (the build's
+  evaluation is held to the same bounds by the build itself: opd_patches/embedded/addition.py);
 - topk: pass@1 up by >= 0.3 absolute and by >= 3 question-clustered SE (paired by question against the
   student), held-out teacher-KL cut by >= 50 %;
 - k1 (policy gradient on a one-sample estimate: slower by design): pass@1 up by >= K1_MIN_GAIN and >= 2 SE,
@@ -91,8 +91,6 @@ def test_the_task_has_a_teacher_that_knows_and_a_student_that_does_not(summary):
     assert summary["student"]["pass_at_1"] <= 0.2
     assert summary["teacher"]["pass_at_1"] >= 0.8
     assert summary["student"]["teacher_kl"] > 0 and summary["teacher"]["teacher_kl"] == pytest.approx(0.0, abs=1e-6)
-    marker = json.loads((REPO / ".cache" / "addition" / ".complete").read_text())
-    assert marker["pass_at_1"]["teacher"]["pass_at_1"] >= 0.8 >= 0.2 >= marker["pass_at_1"]["student"]["pass_at_1"]
 
 
 @pytest.mark.parametrize("arm, min_gain, min_se, min_cut", [

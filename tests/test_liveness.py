@@ -10,6 +10,8 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import time
+import types
 
 import pytest
 from verl.experimental.agent_loop import AgentLoopManager
@@ -18,7 +20,8 @@ from verl.workers.rollout.llm_server import LLMServerManager
 
 import opd_patches  # noqa: F401
 
-from opd_patches.ops import trainer as ops_trainer
+from opd_patches.ops import liveness
+from test_replay_poll import mixin_trainer
 
 
 def test_upstream_still_polls_through_the_wrapped_method():
@@ -37,10 +40,44 @@ def test_upstream_still_holds_the_handles_where_we_read_them():
     assert "self.reward_loop_workers" in inspect.getsource(RewardLoopManager)
 
 
-def test_the_mixin_installs_it_from_the_recipe_key():
-    src = inspect.getsource(ops_trainer.OpsTrainerMixin.__init__)
-    assert 'opd.get("liveness_check_s", liveness.DEFAULT_EVERY_S)' in src
-    assert "liveness.install(self.replay_buffer, lambda: liveness.rollout_actors(self)" in src
+class _Clock:
+    """liveness's monotonic clock, moved by the test."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def monotonic(self):
+        return self.now
+
+
+@pytest.mark.parametrize("overrides, drop, every_s", [(["opd.liveness_check_s=5"], [], 5.0),
+                                                      ([], ["liveness_check_s"], liveness.DEFAULT_EVERY_S)])
+def test_the_mixin_installs_it_from_the_recipe_key(monkeypatch, overrides, drop, every_s):
+    """The trainer's poll asks Ray about the trainer's own rollout actors once `opd.liveness_check_s` seconds of
+    waiting have passed (DEFAULT_EVERY_S for a config without the key), and raises when one is dead."""
+    clock, asked, verdicts = _Clock(), [], [[], ["agent-loop worker 0"]]
+    monkeypatch.setattr(liveness, "time", clock)
+    monkeypatch.setattr(liveness, "dead", lambda actors: asked.append(dict(actors)) or verdicts[len(asked) - 1])
+    trainer = mixin_trainer(*overrides, drop=drop)
+    monkeypatch.setattr(replay_buffer, "time", types.SimpleNamespace(sleep=lambda s: None, time=time.time))
+    # upstream's fit assigns the managers after __init__: the check reads them when it runs
+    trainer.llm_server_manager = types.SimpleNamespace(server_handles=["server"])
+    trainer.agent_loop_manager = types.SimpleNamespace(agent_loop_workers=["worker"])
+    wait = trainer.replay_buffer._wait_for_next_poll
+    actors = {"rollout server 0": "server", "agent-loop worker 0": "worker"}
+    last = time.time()  # upstream's last debug log: recent, so its wait returns it unchanged
+
+    clock.now = every_s - 0.01
+    assert wait("train", last) == last and asked == []  # the wrapped wait's own return value passes through
+    clock.now = every_s
+    assert wait("train", last) == last and asked == [actors]  # all alive: waiting goes on
+    clock.now = 2 * every_s - 0.01
+    wait("train", last)
+    assert len(asked) == 1  # the next check is every_s after the last one
+    clock.now = 2 * every_s
+    with pytest.raises(liveness.RolloutActorDied, match=r"^\[opd\] agent-loop worker 0 died"):
+        wait("train", last)
+    assert asked == [actors, actors]
 
 
 _SCRIPT = textwrap.dedent(

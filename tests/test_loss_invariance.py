@@ -21,16 +21,7 @@ sample per trajectory, stacked by VERL's `list_of_dict_to_tensordict` into jagge
 
 import os
 
-# Before any VERL platform query (as tests/test_hf_rollout.py); the FSDP engine is registered for
-# cuda/npu only and is looked up under cuda (opd_patches/backends/cpu_platform.py).
-os.environ["VERL_PLATFORM"] = "cpu"
-os.environ.setdefault("VERL_ENGINE_DEVICE", "cuda")
-# Upstream's top-k path (and our tail wrapper on it). The memory-lean kernel, on by default, is
-# split-invariant bitwise on its own (tests/test_lean_topk.py::test_micro_batch_split_is_bitwise_invariant);
-# through this engine its split differences reach ~1e-6 relative (upstream's: ~1e-7), cause not yet found.
-os.environ["OPD_LEAN_TOPK"] = "0"
-
-import opd_patches  # noqa: E402
+import opd_patches
 
 opd_patches.register()  # forward_kl_topk_tail and the wrappers, as VERL_USE_EXTERNAL_MODULES does in a run
 
@@ -42,6 +33,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from dist_group import single_rank_gloo  # noqa: E402
 
+from opd_patches.losses import lean_topk  # noqa: E402
 from opd_patches.losses import tail_kl_per_token, tail_term_per_token, truncated_kl_per_token  # noqa: E402
 
 V = 96  # vocabulary
@@ -53,6 +45,8 @@ MASKED = {3: slice(4, 7)}
 N_SEQ = len(LENGTHS)
 RECIPE_OF = {"forward_kl_topk": "topk", "forward_kl_topk_tail": "topk_tail", "k1": "k1"}
 TOPK_LOSSES = ("forward_kl_topk", "forward_kl_topk_tail")
+# Each top-k loss on both implementations of VERL's top-k hook (TopkPath); k1 does not pass through it.
+PATH_CASES = [(mode, path) for mode in TOPK_LOSSES for path in ("lean", "upstream")] + [("k1", "upstream")]
 # Splittings of one mini-batch: static micro-batch sizes, and dynamic token budgets.
 SPLITS = [("static", 1), ("static", 2), ("static", 4), ("static", N_SEQ), ("dynamic", 30), ("dynamic", 45)]
 
@@ -60,6 +54,32 @@ SPLITS = [("static", 1), ("static", 2), ("static", 4), ("static", N_SEQ), ("dyna
 # ---------------------------------------------------------------------------------------------
 # Fixtures: single-rank process group, tiny Qwen2, configs, one engine
 # ---------------------------------------------------------------------------------------------
+
+
+class TopkPath:
+    """Which implementation VERL's top-k hook runs (patches/compute_forward_kl_topk.py asks `lean_topk.enabled()`, i.e.
+    OPD_LEAN_TOPK, on every call; a run gets it from `opd.lean_topk`): `lean` (the default) or `upstream`.
+    lean_calls: the hook's calls of the lean kernel, so that a test sees which one ran."""
+
+    SWITCH = {"lean": "1", "upstream": "0"}
+
+    def __init__(self, name, monkeypatch):
+        self.name, self.lean_calls = name, []
+        monkeypatch.setenv(lean_topk.ENV, self.SWITCH[name])
+        real = lean_topk.topk_outputs
+
+        def counted(*args, **kwargs):
+            self.lean_calls.append(None)
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(lean_topk, "topk_outputs", counted)
+
+
+@pytest.fixture(autouse=True)
+def topk_path(request, monkeypatch):
+    """Upstream's top-k path (and our tail wrapper on it) unless a test asks for another one with
+    `@pytest.mark.parametrize("topk_path", [...], indirect=True)`."""
+    return TopkPath(getattr(request, "param", "upstream"), monkeypatch)
 
 
 @pytest.fixture(scope="module")
@@ -178,14 +198,18 @@ def engine(process_group, setups):
     # As TrainingWorker.__init__ does.
     engine_config.use_remove_padding = s.model_config.use_remove_padding
     engine_config.use_fused_kernels = s.model_config.use_fused_kernels
-    eng = EngineRegistry.new(
-        model_type="language_model",
-        backend=engine_config.strategy,
-        model_config=s.model_config,
-        engine_config=engine_config,
-        optimizer_config=s.actor_config.optim,
-        checkpoint_config=s.actor_config.checkpoint,
-    )
+    with pytest.MonkeyPatch.context() as mp:
+        # VERL registers its FSDP engine for cuda/npu only; the engine itself asks the platform for its device,
+        # so it is looked up under cuda (as opd_patches/backends/cpu_platform.py arranges for a CPU run).
+        mp.setenv("VERL_ENGINE_DEVICE", "cuda")
+        eng = EngineRegistry.new(
+            model_type="language_model",
+            backend=engine_config.strategy,
+            model_config=s.model_config,
+            engine_config=engine_config,
+            optimizer_config=s.actor_config.optim,
+            checkpoint_config=s.actor_config.checkpoint,
+        )
     eng.initialize()
     assert type(eng).__name__ == "FSDPEngineWithLMHead" and eng._autocast_dtype == torch.float32
     # forward_backward_batch backpropagates each micro-batch loss as is: no grad scaler in fp32, and
@@ -460,10 +484,20 @@ def independent_topk_stats(z, data):
 # rtol=1e-5, atol=1e-6*max|g| check failed on another 2-core CPU for that reason alone (issue 15).
 # So a split is compared per parameter tensor in norm, ||g - g_ref|| <= 2*n*u*||g_ref|| (8 sequences,
 # 114 tokens: 1.4e-5), i.e. the worst case with sum|x| ~ |sum x| per tensor. Measured here (2 cores;
-# threads 1 and 2; ATEN_CPU_CAPABILITY default, avx2, avx512): at most 1.9e-6 (31 u), ~ 3*sqrt(n)*u.
+# threads 1 and 2; ATEN_CPU_CAPABILITY default, avx2, avx512), upstream's top-k path: at most 1.9e-6 (31 u),
+# ~ 3*sqrt(n)*u.
 # What a bug does is orders above it: a dropped micro-batch moves the gradient by ~1/8 of its norm, a
 # 1e-3 scale error by 1e-3, and one of eight micro-batches scaled by 1+1e-3 by ~1e-4
-# (test_tolerance_catches_planted_bugs plants each of them).
+# (test_tolerance_catches_planted_bugs plants each of them, on both top-k paths).
+# The lean top-k kernel (the default path; losses/lean_topk.py) differs more between splits than upstream's
+# log_softmax, inside the same bound. Cause: it forms lse = logsumexp(z) as one fp32 number, of magnitude
+# ~max|z| (the peaked student's logits are large), and takes s_j = z_j - lse, so every log-prob of a token
+# carries lse's rounding, ~u*|lse| absolute; log_softmax subtracts the row max first and rounds at the scale
+# of |s_j|. The packed forward changes the logits by an ulp from one split to another, and that rounding
+# moves with them. On the step loss it is a relative error of typical size
+# u*sqrt(2*sum_t (M_t*lse_t)^2) / |sum_t loss_t| over the response tokens t (M_t: the teacher's top-k mass,
+# the weight of s in the truncated KL), far below 2*n*u on this batch; the gradient inherits it through
+# q = exp(z - lse). Log-probs formed as (z - max) - log(sum(exp(z - max))) remove most of it.
 U = 2.0**-24  # fp32 unit roundoff
 
 
@@ -514,10 +548,11 @@ def planted(setup, bug: str):
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("mode", ["forward_kl_topk", "forward_kl_topk_tail", "k1"])
-def test_loss_and_grads_invariant_to_micro_batching(engine, setups, batches, mode):
+@pytest.mark.parametrize("mode, topk_path", PATH_CASES, indirect=["topk_path"])
+def test_loss_and_grads_invariant_to_micro_batching(engine, setups, batches, mode, topk_path):
     setup, samples = setups[mode], batches[mode]
     results = {split: run(engine, setup, samples, split) for split in SPLITS}
+    assert bool(topk_path.lean_calls) == (topk_path.name == "lean"), topk_path.name  # the path asked for ran
 
     counts = {split: len(out["loss"]) for split, (_, _, out, _) in results.items()}
     assert [counts[("static", m)] for m in (1, 2, 4, N_SEQ)] == [N_SEQ, N_SEQ // 2, 2, 1]
@@ -530,12 +565,14 @@ def test_loss_and_grads_invariant_to_micro_batching(engine, setups, batches, mod
         assert_same_step(engine, samples, result, ref, f"{mode} {split}")
 
 
+@pytest.mark.parametrize("topk_path", ["lean", "upstream"], indirect=True)
 @pytest.mark.parametrize("bug", ["drop", "scale", "scale_one"])
-def test_tolerance_catches_planted_bugs(engine, setups, batches, bug):
+def test_tolerance_catches_planted_bugs(engine, setups, batches, bug, topk_path):
     """The derived tolerance is no blanket: a dropped micro-batch, a 1e-3 scale error of the step and
-    one of a single micro-batch all fail the comparison, by a wide margin."""
+    one of a single micro-batch all fail the comparison, by a wide margin, on either top-k path."""
     setup, samples = setups["forward_kl_topk"], batches["forward_kl_topk"]
     ref = run(engine, setup, samples, ("static", N_SEQ))
+    assert bool(topk_path.lean_calls) == (topk_path.name == "lean")
     clean = run(engine, setup, samples, ("static", 1))
     buggy = run(engine, planted(setup, bug), samples, ("static", 1))
     tol = step_tol(samples)
@@ -567,8 +604,8 @@ AGG_MODES = ["token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean
 
 
 @pytest.mark.parametrize("agg", AGG_MODES)
-@pytest.mark.parametrize("mode", ["forward_kl_topk", "forward_kl_topk_tail", "k1"])
-def test_other_loss_agg_modes(engine, model_dir, batches, mode, agg):
+@pytest.mark.parametrize("mode, topk_path", PATH_CASES, indirect=["topk_path"])
+def test_other_loss_agg_modes(engine, model_dir, batches, mode, topk_path, agg):
     """The other aggregation modes (actor.loss_agg_mode) are invariant too, with one exception:
     seq-mean-token-sum-norm without actor.loss_scale_factor divides by the micro-batch's padded
     response length (agg_loss: horizon = loss_mask.shape[-1]), so the step depends on the split;
@@ -707,8 +744,8 @@ def with_padding(samples, n_pad):
     return samples + [dict(template) for _ in range(n_pad)]
 
 
-@pytest.mark.parametrize("mode", ["forward_kl_topk", "forward_kl_topk_tail", "k1"])
-def test_fully_masked_sequences_contribute_nothing(engine, setups, batches, mode):
+@pytest.mark.parametrize("mode, topk_path", PATH_CASES, indirect=["topk_path"])
+def test_fully_masked_sequences_contribute_nothing(engine, setups, batches, mode, topk_path):
     """Padding samples sharing micro-batches with real ones: same loss and gradients as without."""
     setup = setups[mode]
     real = batches[mode][:6]

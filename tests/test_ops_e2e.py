@@ -93,12 +93,16 @@ class Job:
     def kill(self):
         os.killpg(self.proc.pid, signal.SIGKILL)
         self.proc.wait(30)
-        time.sleep(2)
-        for pid in _session_leftovers(self.proc.pid):  # Ray processes of that session, if any survived
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        # Ray processes of that session outside its process group, if any: killed too, until none is listed
+        # (the group's own processes leave the list as they are reaped); 30 s at most.
+        deadline = time.monotonic() + 30
+        while (left := _session_leftovers(self.proc.pid)) and time.monotonic() < deadline:
+            for pid in left:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            time.sleep(0.05)
 
 
 def metrics(run_dir: Path, name: str = "metrics.jsonl") -> dict[int, dict]:
@@ -120,6 +124,19 @@ def log_text(run_dir: Path) -> str:
 SHARD = "actor/model_world_size_1_rank_0.pt"
 
 
+def finish_processes(state: Path) -> list[int]:
+    """Running background finishes of `state` (`python -m opd_patches.ops.finish ... --state STATE`)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")  # empty for a zombie
+        except OSError:  # not a process, or gone meanwhile
+            continue
+        if b"opd_patches.ops.finish" in argv and str(state).encode() in argv:
+            pids.append(int(entry.name))
+    return pids
+
+
 def _ops_runs(base: Path) -> dict:
     """The run killed while step 3's save finishes, then resumed after one byte of its step-2 shard was
     flipped (a shared run: in the background pool, tests/background.py)."""
@@ -128,14 +145,20 @@ def _ops_runs(base: Path) -> dict:
 
     def finishing_step_3():
         pending = run / "global_step_3" / receipts.PENDING
-        if pending.exists() and 3 in logged_steps(run):  # the killed process's steps 1-3 are compared
+        # the killed process's steps 1-3 are compared; the kill lands while step 3's finish process runs
+        if pending.exists() and 3 in logged_steps(run) and (pids := finish_processes(run / "global_step_3")):
             seen["receipt_3_at_kill"] = (run / "global_step_3" / receipts.NAME).exists()
-            seen["finish_pid"] = json.loads(pending.read_text())["pid"]
+            seen["finish_at_kill"] = pids
             return True
         return False
 
     killed = Job(run, COMMON, kill_when=finishing_step_3).wait()
-    time.sleep(3)  # time enough for an orphaned finish to write a receipt (it must not exist)
+    # Only step 3's finish writes its receipt: once no such process runs, the state's listing is final.
+    deadline = time.monotonic() + 60
+    while left := finish_processes(run / "global_step_3"):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"step 3's background finish {left} outlived the killed trainer by 60 s")
+        time.sleep(0.05)
     seen["states_after_kill"] = [(s["step"], s["complete"]) for s in checkpoints.list_states(run)]
     shard = run / "global_step_2" / SHARD
     data = bytearray(shard.read_bytes())
@@ -182,7 +205,8 @@ def test_receipts_pruning_and_nan_guard(resumed):
 def test_kill_during_save_then_resume_continues(resumed):
     run, killed, seen = resumed["run"], resumed["killed"], resumed["seen"]
     assert killed == -signal.SIGKILL
-    assert seen["receipt_3_at_kill"] is False and (2, True) in seen["states_after_kill"], seen
+    assert seen["finish_at_kill"] and seen["receipt_3_at_kill"] is False, seen  # killed while step 3's finish ran
+    assert (2, True) in seen["states_after_kill"], seen
     assert (3, False) in seen["states_after_kill"], seen  # killed in the background finish: incomplete
     text = log_text(run)
     assert "receipt continue in the background" in text  # the save handed its finish to the background

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 
 import pytest
 
@@ -203,28 +204,47 @@ def test_finish_process_dies_with_the_trainer():
     assert gone.returncode == 1 and "ran on" not in gone.stdout
 
 
-def test_state_files_hash_beside_the_export_and_the_receipt_waits_for_every_write(tmp_path):
+def test_state_files_hash_beside_the_export_and_the_receipt_waits_for_every_write(tmp_path, monkeypatch):
     """The finish hashes the state's files outside the HF export in a thread (beside the export's build and
     validation): its receipt equals a sequential inventory of the folder, and a file still being written
-    when the finish starts (a `.writing` marker, state_writer.py) enters it with its final content."""
+    when the finish starts (a `.writing` marker, state_writer.py) enters it with its final content, hashed by
+    that thread once it has waited for the write."""
     state = make_state(tmp_path, 3, complete=False)
     optim = state / "actor" / "optim_world_size_1_rank_0.pt"
     (state / "actor" / (optim.name + receipts.WRITING)).write_text("1")
+    hasher = "state-sha256"  # finish._StateHasher's thread
+    hasher_waits, hashed_by = threading.Event(), []
 
-    def late_write():  # what the writer thread does: content first, then the marker goes
-        time.sleep(0.5)
-        optim.write_bytes(os.urandom(3 << 20))
-        (state / "actor" / (optim.name + receipts.WRITING)).unlink()
+    def poll_sleep(seconds):  # receipts.wait_for_writes sleeps only while it sees a `.writing` marker
+        if threading.current_thread().name == hasher:
+            hasher_waits.set()
+        time.sleep(seconds)
+
+    def hash_files(state_dir, rels, *args, **kwargs):
+        hashed_by.extend((threading.current_thread().name, rel) for rel in rels)
+        return real_hash_files(state_dir, rels, *args, **kwargs)
+
+    real_hash_files = receipts.hash_files
+    monkeypatch.setattr(receipts, "time", types.SimpleNamespace(monotonic=time.monotonic, sleep=poll_sleep))
+    monkeypatch.setattr(receipts, "hash_files", hash_files)
+
+    def late_write():  # the writer thread, once the hasher waits on it: content first, then the marker goes
+        if hasher_waits.wait(60):
+            optim.write_bytes(os.urandom(3 << 20))
+            (state / "actor" / (optim.name + receipts.WRITING)).unlink()
 
     writer = threading.Thread(target=late_write)
     writer.start()
     out = finish.finish(state, 3, validate=False, timeout_s=60)
     writer.join()
+    assert hasher_waits.is_set(), "the state's hashing thread never waited for the write in progress"
     files = json.loads((state / receipts.NAME).read_text())["files"]
     assert files == receipts.inventory(state)  # the same files, sizes and sha256 as hashing one after another
     rel = optim.relative_to(state).as_posix()
-    assert files[rel]["sha256_blocks"] == receipts.hash_files(state, [rel], workers=1)[rel]["sha256_blocks"]
-    assert any(rel.startswith(receipts.HF_EXPORT + "/") for rel in files) and out["state_hashed_s"] >= 0.5
+    assert files[rel]["sha256_blocks"] == real_hash_files(state, [rel], workers=1)[rel]["sha256_blocks"]
+    assert (hasher, rel) in hashed_by  # by the thread that waited, not picked up afterwards as a missed file
+    assert any(name.startswith(receipts.HF_EXPORT + "/") for name in files)
+    assert 0 < out["state_hashed_s"] <= out["seconds"]
 
 
 def test_a_failed_state_write_leaves_no_receipt_even_with_the_export_built_first(tmp_path, monkeypatch):

@@ -5,10 +5,6 @@ batch it was run in, the order requests arrived in, or anything sampled before; 
 still exact samples from the warped distribution.
 """
 
-import os
-
-os.environ["VERL_PLATFORM"] = "cpu"
-
 import asyncio
 import types
 

@@ -11,25 +11,21 @@
    pass's time gone.
 """
 
+import inspect
+import json
 import os
+import subprocess
+import sys
+from functools import partial
+from pathlib import Path
 
-os.environ["VERL_PLATFORM"] = "cpu"
-os.environ.setdefault("VERL_ENGINE_DEVICE", "cuda")
-os.environ["OPD_LEAN_TOPK"] = "0"  # as test_loss_invariance (its fixtures are reused below)
-
-import inspect  # noqa: E402
-import json  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
-from functools import partial  # noqa: E402
-from pathlib import Path  # noqa: E402
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-from omegaconf import OmegaConf  # noqa: E402
-from fresh_verl import facts  # noqa: E402
-from test_config import compose_recipe  # noqa: E402
-from test_loss_invariance import (  # noqa: E402,F401  (fixtures)
+import pytest
+import torch
+from omegaconf import OmegaConf
+from fresh_verl import facts
+from test_config import compose_recipe
+# fixtures; topk_path is autouse: upstream's top-k path unless a test asks for another
+from test_loss_invariance import (  # noqa: F401
     N_SEQ,
     RECIPE_OF,
     Setup,
@@ -44,11 +40,12 @@ from test_loss_invariance import (  # noqa: E402,F401  (fixtures)
     process_group,
     run,
     to_batch,
+    topk_path,
 )
 
-import opd_patches  # noqa: E402
-from opd_patches.main import ConfigError, apply_old_log_prob  # noqa: E402
-from opd_patches.teacher import old_log_prob as olp  # noqa: E402
+import opd_patches
+from opd_patches.main import ConfigError, apply_old_log_prob
+from opd_patches.teacher import old_log_prob as olp
 
 opd_patches.register()
 
@@ -196,8 +193,9 @@ def test_k1_without_old_log_probs_and_without_the_flag_fails(engine, setups, k1_
         run_with(engine, Variant(setup, patched_loss_fn(setup)), k1_pass[1], ("static", N_SEQ))
 
 
-@pytest.mark.parametrize("mode", ["k1", "forward_kl_topk"])
-def test_entropy_metric_from_the_update_equals_the_pass(engine, setups, batches, k1_pass, mode):
+@pytest.mark.parametrize("mode, topk_path", [("k1", "upstream"), ("forward_kl_topk", "upstream"),
+                                             ("forward_kl_topk", "lean")], indirect=["topk_path"])
+def test_entropy_metric_from_the_update_equals_the_pass(engine, setups, batches, k1_pass, mode, topk_path):
     """trainer_base._compute_old_log_prob's actor/entropy: agg_loss of the pass's entropy (token-mean
     over the batch); the update's micro-batch parts add up to it."""
     from verl.trainer.ppo.core_algos import agg_loss
@@ -221,6 +219,7 @@ def test_entropy_metric_from_the_update_equals_the_pass(engine, setups, batches,
     plain = Variant(setup, patched_loss_fn(setup), **{olp.UPDATE_FLAG: mode == "k1"})
     _, ref_grad, _, _ = run_with(engine, plain, samples, ("dynamic", 30))
     torch.testing.assert_close(grad, ref_grad, rtol=0, atol=0)  # entropy_coeff 0: not part of the loss
+    assert bool(topk_path.lean_calls) == (topk_path.name == "lean" and mode != "k1")  # the path asked for ran
 
 
 # ---- 3. guard: what the patches assume about upstream ---------------------------------------------
@@ -306,7 +305,7 @@ def test_entropy_detached_never_compiles_and_chunks_exactly():
     the values of the original, chunked or not."""
     code = (
         "import torch, opd_patches.registered, verl.utils.torch_functional as F\n"
-        "from opd_patches.backends import upstream_patches as up\n"
+        "from opd_patches.patches import entropy_from_logits as up\n"
         "up.ENTROPY_ROWS = 3\n"
         "graphs = []\n"
         "def backend(gm, example_inputs):\n"

@@ -1,4 +1,5 @@
-"""Background state writes (opd_patches/ops/state_writer.py, upstream_patches 8) through upstream's real
+"""Background state writes (opd_patches/ops/state_writer.py, the run-time patch
+opd_patches/patches/fsdp_save_checkpoint.py) through upstream's real
 FSDPCheckpointManager on a tiny FSDP2 Qwen2 (one gloo rank): the save returns before the files exist, the
 files hold the state as it was at the call (training changes it right after), upstream's load_checkpoint
 restores it, and a failed write leaves the state without a receipt."""
@@ -11,6 +12,7 @@ import torch
 from dist_group import single_rank_gloo
 
 from opd_patches.ops import finish, receipts, state_writer
+from opd_patches.patches import fsdp_save_checkpoint, registry
 
 V = 64
 
@@ -97,7 +99,7 @@ def test_save_returns_before_the_write_and_keeps_the_state_of_the_call(process_g
 
     writer = _GatedWriter()
     state = tmp_path / "global_step_1" / "actor"
-    with state_writer.deferred_saves(module, writer):
+    with fsdp_save_checkpoint.deferred_saves(module, writer):
         manager.save_checkpoint(str(state), global_step=1)
     assert module.torch is torch  # restored on the way out
     names = [f"{part}_world_size_1_rank_0.pt" for part in ("model", "optim", "extra_state")]
@@ -127,10 +129,8 @@ def test_save_returns_before_the_write_and_keeps_the_state_of_the_call(process_g
 
 
 def test_patch_routes_upstream_saves_to_the_writer(process_group, tmp_path, monkeypatch):
-    """upstream_patches 8 as the worker applies it (env on): same files as the original's, written by the thread."""
+    """patches/fsdp_save_checkpoint.py as the worker applies it (env on): same files as the original's, written by the thread."""
     from verl.utils.checkpoint import fsdp_checkpoint_manager as module
-
-    from opd_patches.backends import upstream_patches
 
     model, optim = _trained(2)
     _manager(model, optim).save_checkpoint(str(tmp_path / "sync"), global_step=1)
@@ -139,14 +139,18 @@ def test_patch_routes_upstream_saves_to_the_writer(process_group, tmp_path, monk
     seen = []
     monkeypatch.setattr(state_writer._WRITER, "_save", lambda obj, path, *a, **k: (seen.append(path),
                                                                                    torch.save(obj, path, *a, **k)))
+    record = None
     try:
-        upstream_patches._patch_state_write()
-        upstream_patches._patch_state_write()  # idempotent
-        assert getattr(module.FSDPCheckpointManager.save_checkpoint, upstream_patches._MARK)
+        record = fsdp_save_checkpoint.apply()
+        assert fsdp_save_checkpoint.apply() is record  # idempotent: one record, one wrapper
+        assert module.FSDPCheckpointManager.save_checkpoint is record.replacement
+        assert record.replacement.__wrapped__ is original
         _manager(model, optim).save_checkpoint(str(tmp_path / "async"), global_step=1)
         state_writer._WRITER.drain()
     finally:
-        module.FSDPCheckpointManager.save_checkpoint = original
+        if record is not None:
+            registry.revert(record)  # the original back, the record forgotten
+    assert module.FSDPCheckpointManager.save_checkpoint is original
     assert len(seen) == 3 and all(p.endswith(state_writer.PARTIAL) for p in seen)
     for name in ("model_world_size_1_rank_0.pt", "optim_world_size_1_rank_0.pt"):
         a = torch.load(tmp_path / "sync" / name, weights_only=False)
@@ -168,7 +172,7 @@ def test_a_failed_write_leaves_no_receipt(process_group, tmp_path):
     model, optim = _trained(3)
     writer = _GatedWriter(fail=OSError(28, "No space left on device"))
     state = tmp_path / "global_step_2"
-    with state_writer.deferred_saves(module, writer):
+    with fsdp_save_checkpoint.deferred_saves(module, writer):
         _manager(model, optim).save_checkpoint(str(state / "actor"), global_step=2)
     writer.gate.set()
     writer.drain()

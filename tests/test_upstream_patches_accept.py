@@ -1,6 +1,6 @@
 """A patch accepts all that the original accepts (issue 15 item 7).
 
-Each run-time patch of backends/upstream_patches.py is fed the minimal inputs that upstream VERL's own CPU
+Each run-time patch of opd_patches/patches/ is fed the minimal inputs that upstream VERL's own CPU
 tests feed the patched function (a bare SimpleNamespace config, plain tensors, a one-sample TensorDict)
 and must return what the original returns (the original the patch saved, `__wrapped__`), or what the
 project documents for it (the lean top-k path: the same values). Upstream's tests themselves are not in
@@ -18,30 +18,31 @@ from tensordict import TensorDict
 from torch.distributed.distributed_c10d import Backend, BackendConfig
 
 import opd_patches
-from opd_patches.backends import upstream_patches
-from opd_patches.backends.upstream_patches import dedupe_backend
+from opd_patches import patches
+from opd_patches.patches import registry
+from opd_patches.patches.init_process_group import dedupe_backend
 
 opd_patches.register()
 
-# Every upstream attribute a patch replaces: (module, attribute, registry key or None).
-PATCHED = [
-    ("torch.distributed", "init_process_group", None),
-    ("verl.workers.config.distillation", "DistillationTeacherModelConfig._validate_topk_logprobs", None),
-    ("verl.trainer.distillation.fsdp.losses", "compute_forward_kl_topk", None),
-    ("verl.trainer.distillation.losses", "DISTILLATION_LOSS_REGISTRY", "forward_kl_topk"),
-    ("verl.utils.torch_functional", "logprobs_from_logits_v2", None),
-]
-if hasattr(upstream_patches, "_patch_old_log_probs_from_update"):  # patch 6 (teacher/old_log_prob.py)
-    PATCHED.append(("verl.workers.engine_workers", "distillation_ppo_loss", None))
-# Applied only where their switch asks (OPD_ENTROPY_DETACHED=1); same values, detached input.
-OPTIONAL = {"entropy_from_logits", "entropy_from_logits_with_chunking"}
+# The patches whose accept tests are in this file (each replaces a function at registration).
+PATCHED = ["init_process_group", "validate_topk_logprobs", "compute_forward_kl_topk", "forward_kl_topk_registry",
+           "logprobs_from_logits_v2", "distillation_ppo_loss"]
+# The others, and where what they accept is tested.
+ELSEWHERE = {
+    "entropy_from_logits": "tests/test_skip_old_log_prob.py (only with OPD_ENTROPY_DETACHED=1; same values, detached)",
+    "fsdp_save_checkpoint": "tests/test_state_writer.py (only with OPD_ASYNC_STATE_WRITE=1; the same files)",
+    "rollout_registry": "adds an entry upstream lacks: every name upstream resolves, it resolves as before",
+    "replay_poll_interval": "a number, not a function: tests/test_replay_poll.py",
+    "replay_wait_for_next_poll": "tests/test_liveness.py (the wait's own return value passes through)",
+    "train_mini_batch": "tests/test_profile_update.py (bench only; the original's results pass through)",
+}
 
 
-def _patched(module, attr, key):
-    obj = sys.modules[module]
-    for part in attr.split("."):
-        obj = getattr(obj, part)
-    return obj[key] if key else obj
+def _patched(name):
+    """The replacement now in place for patch `name` (applied at registration)."""
+    record = next(r for r in registry.records() if r.name == name and not r.temporary)
+    value = getattr(record.owner, record.attribute)
+    return value if record.key is registry.NO_KEY else value[record.key]
 
 
 def _outcome(fn, *args, **kwargs):
@@ -53,31 +54,36 @@ def _outcome(fn, *args, **kwargs):
 
 
 def test_every_patch_is_listed_here():
-    """A new patch (any module attribute carrying the patch mark) needs its own guard in this file."""
+    """A new patch (a file of opd_patches/patches/, a record of its registry, any upstream function carrying
+    the registry's mark) needs its accept test here, or a line in ELSEWHERE saying where it is."""
+    assert set(PATCHED) | set(ELSEWHERE) == set(patches.ALL) and not set(PATCHED) & set(ELSEWHERE)
+    assert {r.name for r in registry.records()} <= set(patches.ALL)
     marked = set()
     with warnings.catch_warnings():  # deprecated module attributes warn when touched
         warnings.simplefilter("ignore")
         for name, module in list(sys.modules.items()):
             if name.startswith(("verl", "torch.distributed")):
                 for value in list(vars(module).values()):
-                    if getattr(value, upstream_patches._MARK, None) is True:  # only the patches set it
-                        marked.add(value.__wrapped__.__qualname__)
-    listed = {_patched(*p).__wrapped__.__qualname__ for p in PATCHED} | OPTIONAL
-    assert marked <= listed, f"patched but without a guard here: {sorted(marked - listed)}"
-    for patch in PATCHED:
-        assert getattr(_patched(*patch), upstream_patches._MARK, False), patch
+                    if getattr(value, registry.MARK, None) is True:  # only the registry sets it
+                        marked.add(value)
+    recorded = {id(r.replacement) for r in registry.records()}
+    assert all(id(value) in recorded for value in marked), "marked but not in the registry"
+    for name in PATCHED:
+        assert getattr(_patched(name), registry.MARK, False), name
 
 
-# Patch 6 takes dp_group, student_logits and data_format only by keyword (upstream's callers pass them so).
-_KEYWORD_ONLY_WRAPPER = pytest.mark.xfail(reason="patch 6: positional dp_group/student_logits/data_format unbound")
+# distillation_ppo_loss takes dp_group, student_logits and data_format only by keyword (upstream's callers pass
+# them so).
+_KEYWORD_ONLY_WRAPPER = pytest.mark.xfail(reason="distillation_ppo_loss: positional dp_group/student_logits/"
+                                                 "data_format unbound")
 
 
-@pytest.mark.parametrize("patch", [pytest.param(p, marks=_KEYWORD_ONLY_WRAPPER) if p[1] == "distillation_ppo_loss"
-                                   else p for p in PATCHED], ids=lambda p: p[1].split(".")[-1])
+@pytest.mark.parametrize("patch", [pytest.param(p, marks=_KEYWORD_ONLY_WRAPPER) if p == "distillation_ppo_loss"
+                                   else p for p in PATCHED])
 def test_wrapper_takes_every_call_form_of_the_original(patch):
     """Any argument list that binds to the original binds to the wrapper (its own signature, not the one
     functools.wraps advertises): all positional, and all by keyword."""
-    wrapper = _patched(*patch)
+    wrapper = _patched(patch)
     mine = inspect.signature(wrapper, follow_wrapped=False)
     theirs = inspect.signature(wrapper.__wrapped__)
     params = [p for p in theirs.parameters.values() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
@@ -89,7 +95,7 @@ def test_wrapper_takes_every_call_form_of_the_original(patch):
         mine.bind(*args, **kwargs)
 
 
-# ---- 1. init_process_group: duplicate device entries ------------------------------------------------
+# ---- init_process_group: duplicate device entries -----------------------------------------------------
 
 BACKENDS = [None, "gloo", "GLOO", "cpu:gloo", "cpu:gloo,cuda:nccl", "cuda:nccl,cpu:gloo", Backend("gloo"),
             "cpu:gloo, cpu:gloo", "cpu:gloo,cpu:nccl", "cpu:gloo,cpu:gloo", "cpu:gloo,cuda:nccl,cpu:gloo"]
@@ -106,7 +112,7 @@ def test_dedupe_changes_only_what_torch_refuses(backend):
     BackendConfig(Backend(out))
 
 
-# ---- 2. _validate_topk_logprobs: the hf teacher -----------------------------------------------------
+# ---- validate_topk_logprobs: the hf teacher -----------------------------------------------------------
 
 
 def _teacher(name):
@@ -140,7 +146,7 @@ def test_topk_validation_without_topk_never_reads_the_engine():
     assert DistillationTeacherModelConfig._validate_topk_logprobs(bare, False, None) is None
 
 
-# ---- 3. the top-k logits processor (tail term, memory-lean mode) ------------------------------------
+# ---- compute_forward_kl_topk: the top-k logits processor (tail term, memory-lean mode) ----------------
 
 
 def _nested(rows, dtype):
@@ -211,7 +217,7 @@ def test_topk_logits_processor_refuses_padded_teacher_tensors_as_the_original(mo
             fn(logits, logprobs.values(), ids.values(), config, "thd")
 
 
-# ---- 4. the registered forward_kl_topk: clamped_frac -------------------------------------------------
+# ---- forward_kl_topk_registry: the registered forward_kl_topk, clamped_frac ---------------------------
 
 
 def _metric_inputs(losses):
@@ -244,7 +250,7 @@ def test_registered_forward_kl_topk_adds_only_clamped_frac(losses, clamped):
     assert float(_value(got["distillation/clamped_frac"])) == clamped
 
 
-# ---- 5. logprobs_from_logits_v2: the chunked exact kernel ------------------------------------------
+# ---- logprobs_from_logits_v2: the chunked exact kernel ------------------------------------------------
 
 
 @pytest.mark.parametrize("fast", ["0", "1"])

@@ -40,8 +40,8 @@ logger = logging.getLogger(__name__)
 LOGPROB_CHUNK = 1024
 # The server runs a batch once no request arrived for BATCH_WINDOW_S (or max_num_seqs are waiting, or
 # BATCH_MAX_WAIT_S passed since the first): the agent loop sends a step's requests over several hundred
-# milliseconds, and a fixed 20 ms window cut 128 of them into 2-3 generate() calls costing 1.1-1.6 s of CPU
-# where one call takes 0.6-0.9 s (docs/learning.md).
+# milliseconds, and a fixed window cuts them into several generate() calls that together cost far more
+# CPU than one call for all of them (docs/learning.md).
 BATCH_WINDOW_S = 0.02
 BATCH_MAX_WAIT_S = 1.0
 

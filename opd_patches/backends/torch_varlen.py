@@ -2,8 +2,8 @@
 
 With `actor_rollout_ref.model.use_remove_padding=true` VERL packs a micro-batch into one row whose
 `position_ids` restart at 0 at each sequence, with no attention mask. Under `sdpa` transformers turns
-that row into an (L, L) block-diagonal mask, which no fused causal kernel takes (6.4x slower than a
-varlen kernel on an H200, notes/gpu.md). This attention implementation, registered in transformers'
+that row into an (L, L) block-diagonal mask, which no fused causal kernel takes (far slower than a
+varlen kernel, docs/performance.md). This attention implementation, registered in transformers'
 own `AttentionInterface` and `AttentionMaskInterface` (no upstream edit), instead:
 - builds no mask for causal rows without padding or cache (the mask function returns None);
 - derives the sequence boundaries (cu_seqlens) from `position_ids` (a sequence starts where the

@@ -9,7 +9,7 @@ torch.compile) decodes the random R1-Distill-1.5B-architecture model (opd_patche
 for B prompts x `--tokens` forced tokens (`min_tokens` = `max_tokens`, EOS ignored), once per batch
 size: decode at this size is latency-bound, so the time per step grows far less than the batch.
 
-`--train-shares P ...` asks whether the update could run under generation (issue 31): for each P a
+`--train-shares P ...` asks whether the update could run under generation (docs/performance.md): for each P a
 child process runs a training forward+backward loop of the same model (2 x 5,200 tokens, gradient
 checkpointing, no optimizer step) with `CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=P` while this process
 decodes B x `--share-tokens` for each B of `--share-batches` (default 32; fewer: generation's tail); both
@@ -59,7 +59,7 @@ def train_loop(model: Path) -> None:
     """Child: fwd+bwd iterations until SIGTERM; prints "ready", then each iteration's end time (time.time()).
 
     It ends by returning, never by a kill: a SIGKILLed MPS client left the MPS server refusing new
-    clients (error 807) and vLLM's engine with an illegal memory access (H200, 2026-12-04)."""
+    clients (error 807) and vLLM's engine with an illegal memory access (docs/performance.md)."""
     import signal
 
     import torch

@@ -15,7 +15,7 @@ Real paths are the functions VERL's actor calls (verl 0.9.1, fsdp strategy):
   every update) with the fallback patch off (upstream's per-row v2 without flash-attn) / on
   (losses/sampled_logprob.py); reference `ref_logprob`, the naive fp32 log_softmax + gather. With
   flash-attn installed both rows run flash-attn's kernel (the patch only replaces the fallback).
-References (plain PyTorch, as notes/gpu.md): full fp32 log_softmax + gather (+ masked logsumexp for
+References (plain PyTorch, docs/performance.md): full fp32 log_softmax + gather (+ masked logsumexp for
 the tail). Each reference is measured once and shared by the rows that use it.
 On CUDA with bf16 the losses run under torch.autocast(bf16), as in VERL's actor forward (there
 log_softmax runs in fp32). The model part: random-weight Qwen2 of the size, gradient checkpointing,

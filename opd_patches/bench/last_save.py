@@ -30,6 +30,7 @@ from pathlib import Path
 from opd_patches.bench import save
 from opd_patches.bench.measure import row
 from opd_patches.ops import finish, state_writer
+from opd_patches.patches import fsdp_save_checkpoint
 
 VARIANTS = ("with_finish", "step_ahead")
 MEMINFO = ("Dirty", "Writeback", "MemAvailable")
@@ -54,7 +55,7 @@ def _counters() -> dict:
 
 
 class _Sampler(threading.Thread):
-    """Samples `_counters` every 0.25 s: peaks of Dirty and Writeback, the lowest MemAvailable, counter deltas."""
+    """Samples `_counters` until stopped: peaks of Dirty and Writeback, the lowest MemAvailable, counter deltas."""
 
     def __init__(self):
         super().__init__(name="lastsave-sampler", daemon=True)
@@ -139,7 +140,7 @@ def run_phase(size, args) -> dict:
         sampler.start()
         save._sync(device)
         start = time.perf_counter()
-        with state_writer.deferred_saves(module, state_writer._Writer()):
+        with fsdp_save_checkpoint.deferred_saves(module, state_writer._Writer()):
             manager.save_checkpoint(str(state / "actor"), global_step=step)
         save._sync(device)
         called = time.perf_counter() - start

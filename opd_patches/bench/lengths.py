@@ -19,7 +19,7 @@ Profiles (PROFILES; `lognormal:MEDIAN:SIGMA` for any other):
   recipes' 7,168 cap it clips 14.3 % of responses, mean 4,432 tokens.
 - `cap`: every response at the cap (what random weights do anyway: the baseline row).
 A schedule `cap@2,seed-math500@2` runs steps 1-2 at the cap and 3-4 at the profile within one run
-(one start-up for both rows: a vLLM run takes 4-5 minutes to start on the H200).
+(one start-up for both rows: a vLLM run takes minutes to start, docs/performance.md).
 """
 
 from __future__ import annotations

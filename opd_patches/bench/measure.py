@@ -1,4 +1,4 @@
-"""Timing and peak memory, the way notes/gpu.md measured its floors: one warm-up, then wall time
+"""Timing and peak memory, the way the floors of docs/performance.md were measured: one warm-up, then wall time
 around fully synchronised runs; peak = torch.cuda.max_memory_allocated after a reset (CUDA only)."""
 
 import gc

@@ -1,16 +1,16 @@
-"""What the on-policy overlap (issue 31) could buy at a length profile: a model fed with measured figures.
+"""What the on-policy overlap could buy at a length profile: a model fed with measured figures.
 
     python -m opd_patches.bench.overlap_bound [--lengths seed-math500] [--gen-s 20.0] [--work-s 8.0]
         [--batch 32] [--cap 7168] [--draws 200] [--share NAME:DECODE_SLOWDOWN:TRAIN_SLOWDOWN ...]
 
 The overlap would score and back-propagate each finished sample while the others still decode, and step the
 optimizer once after the last one. Model of one step: every live sequence decodes one token per decode step,
-a step costing `gen_s / longest` seconds whatever the batch (latency-bound: measured 3.52 ms at 32 and
-4.46 ms at 64 sequences, docs/performance.md) and `DECODE_SLOWDOWN` times that while training runs beside it;
+a step costing `gen_s / longest` seconds whatever the batch (latency-bound: the time per decode step
+grows far less than the batch, docs/performance.md) and `DECODE_SLOWDOWN` times that while training runs beside it;
 a finished sample's teacher + update work is `work_s` x its share of the batch's tokens, done at
 1 / `TRAIN_SLOWDOWN` of its own rate beside decode and at full rate after the last sequence ends. The
 sequential step is gen + work. Shares are the measured pairs of `make bench PHASE=decode --train-shares`
-(docs/bench/h200-2026-12-04-decode.json); `ideal:1:1` (sharing for free) bounds every real mechanism: the
+(docs/performance.md, "Training beside decode"); `ideal:1:1` (sharing for free) bounds every real mechanism: the
 samples that run to the cap end last and carry the most tokens, so their work cannot overlap anything.
 Optimizer step, weight sync and start-up are left out of both sides.
 """
@@ -23,7 +23,7 @@ from statistics import mean
 
 from opd_patches.bench import lengths as length_profiles
 
-# (name, decode slowdown, training slowdown): one H200, 2026-12-01 and 2026-12-04 (docs/performance.md)
+# (name, decode slowdown, training slowdown): the decode phase's pairs (docs/performance.md)
 MEASURED = [("ideal", 1.0, 1.0), ("mps-50%", 1.376, 1.784), ("mps-25%", 1.199, 3.633), ("mps-10%", 1.115, 9.018),
             ("mps-no-limit", 4.82, 1.12), ("time-sliced", 2.63, 1.79)]
 
@@ -81,8 +81,8 @@ def _share(text: str) -> tuple[str, float, float]:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--lengths", default="seed-math500", help="a profile of opd_patches/bench/lengths.py, or cap")
-    # topk at seed-math500 on one H200 (2026-12-04, docs/performance.md): gen 19.48 / 20.32 s, teacher 1.92 /
-    # 2.06 s + update 5.87 / 6.24 s in steps 3 / 4
+    # The defaults: topk at seed-math500, the mean of steps 3 and 4 (docs/performance.md, "Step figures at
+    # realistic lengths")
     p.add_argument("--gen-s", type=float, default=19.9, help="generation's seconds for the step (measured)")
     p.add_argument("--work-s", type=float, default=8.05, help="teacher + update seconds for the step (measured)")
     p.add_argument("--batch", type=int, default=32)

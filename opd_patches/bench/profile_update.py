@@ -31,17 +31,19 @@ def spec(value, run_dir) -> str | None:
 
 
 def install(worker) -> None:
-    """Wrap `worker.actor.train_mini_batch` when OPD_PROFILE_UPDATE asks for it (idempotent)."""
+    """Wrap `worker.actor.train_mini_batch` when OPD_PROFILE_UPDATE asks for it (idempotent; the run-time
+    patch opd_patches/patches/train_mini_batch.py)."""
+    from opd_patches.patches import train_mini_batch
+
     value = os.environ.get(ENV)
     actor = getattr(worker, "actor", None)
-    if not value or actor is None or getattr(actor, "_opd_profiled", False):
+    if not value or actor is None:
         return
     n, folder = value.split(":", 1)
     n, folder, rank = int(n), Path(folder), getattr(worker, "rank", 0)
-    original = actor.train_mini_batch
     calls = [0]
 
-    def train_mini_batch(*args, **kwargs):
+    def around(original, *args, **kwargs):
         calls[0] += 1
         start = time.time()
         out = _profiled(original, args, kwargs, folder, rank, n) if calls[0] == n else original(*args, **kwargs)
@@ -50,8 +52,7 @@ def install(worker) -> None:
               f"({end - start:.2f} s)", flush=True)
         return out
 
-    actor.train_mini_batch = train_mini_batch
-    actor._opd_profiled = True
+    train_mini_batch.apply(actor, around)
 
 
 def _profiled(fn, args, kwargs, folder: Path, rank: int, n: int):

@@ -5,8 +5,8 @@
 The size's model in fp32 under FSDP2 on one device (VERL's actor keeps fp32 weights), AdamW after one
 step (two moments: the recipes' state), saved with upstream's `FSDPCheckpointManager.save_checkpoint`
 (model + optimizer + extra: 21.3 GB at the `full` size) into `--workdir`, each state deleted after its row:
-- `save/upstream`: the call as upstream writes it (torch.save from the device): what training waits today;
-- `save/background`: the same call under `state_writer.deferred_saves` (opd.background_state_write, what the
+- `save/upstream`: the call as upstream writes it (torch.save from the device): what training waits without the background write;
+- `save/background`: the same call under `fsdp_save_checkpoint.deferred_saves` (opd.background_state_write, what the
   workers run): `time_s` = the call (training's wait), `written_s` = from the call to the last file written;
 - `save/background_pinned`: the same with page-locked snapshots (state_writer.PINNED), twice: `first_s`
   pays the pinning, `time_s` is the second call (the caching host allocator reuses the blocks).
@@ -31,6 +31,7 @@ import torch.distributed as dist
 from opd_patches.bench.measure import GIB, row
 from opd_patches.bench.sizes import qwen2_config
 from opd_patches.ops import state_export, state_writer
+from opd_patches.patches import fsdp_save_checkpoint
 
 
 def _process_group(device: str, workdir: Path) -> None:
@@ -104,7 +105,7 @@ def run_phase(size, args) -> dict:
         _sync(device)
         start = time.perf_counter()
         if deferred:
-            with state_writer.deferred_saves(module, writer):
+            with fsdp_save_checkpoint.deferred_saves(module, writer):
                 manager.save_checkpoint(str(state), global_step=1)
         else:
             manager.save_checkpoint(str(state), global_step=1)

@@ -4,7 +4,7 @@ full: R1-Distill-Qwen-1.5B architecture (opd_patches/embedded/r1_arch.py), rando
 32 sequences x 5,200 tokens (166,400 tokens: one step of the `topk` recipe, 8 prompts x 4), top-16.
 The student update packs 3 sequences per micro-batch (15,600 tokens: what the recipes'
 ppo_max_token_len_per_gpu=16384 admits); the teacher scores with score_sequences' own defaults.
-cpu: a tiny Qwen2 in fp32 that finishes a phase in well under a minute on 2 cores.
+cpu: a tiny Qwen2 in fp32 that finishes a phase quickly on a small CPU host (docs/performance.md).
 """
 
 from dataclasses import dataclass, field
@@ -24,7 +24,7 @@ class Size:
     lean_chunk: int = 2048
     teacher_chunk: int = 2048  # score_sequences' chunk_size default
     teacher_max_tokens: int = 16384  # score_sequences' max_tokens default
-    ref_teacher_seqs: int = 2  # the plain reference's sequences per forward (as notes/gpu.md)
+    ref_teacher_seqs: int = 2  # the plain reference's sequences per forward (docs/performance.md)
     ref_teacher_chunk: int = 4096
     repeats: int = 1  # timed repeats after one warm-up (median)
 

@@ -8,14 +8,14 @@ Builds random-weight R1-Distill-Qwen-1.5B-architecture student (seed 0) and teac
 opd_patches/embedded/r1_arch.py, runs `run.sh recipe=R` on the embedded prompts (the colocated
 teacher by default; extra Hydra overrides with --override), and reports per step VERL's `timing_s/*`
 phases, response lengths and the actor's peak memory (from `<run>/metrics.jsonl`), the device's peak
-memory over the whole run (nvidia-smi, sampled every 0.5 s: vLLM's KV cache included) with each
+memory over the whole run (nvidia-smi, sampled periodically: vLLM's KV cache included) with each
 process's own peak (which of the trainer's processes holds what; the models are drawn in a child
 process, so this driver holds none), and start-up
 time (launch to the end of step 1, minus step 1). One save, after step `--save-after` (default 1; 0: none)
 and not at the end, so that the save's stall on training shows in a step that another follows
 (`timing_s/save_checkpoint`: what the trainer waited; the state's export, validation and hashing run in
 the background) while the host's disk holds one 1.5B state only. With `--rollout hf` responses are capped at 512
-tokens at the full size (HF decoding is ~25x slower than vLLM). `--size cpu` runs the tiny embedded
+tokens at the full size (HF decoding is far slower than vLLM). `--size cpu` runs the tiny embedded
 models with the smoke overlay's lengths instead (a check of this phase on a CPU). Results merge into the bench JSON's `step` phase, per recipe.
 """
 
@@ -230,7 +230,7 @@ def run_phase(size, args) -> dict:
         return run(name, args.steps, args.rollout, workdir, overrides, args.timeout,
                    arch="r1" if full else "embedded", gpu=gpus[i] if gpus else None, lengths=args.lengths)
 
-    if gpus:  # at the same time, one GPU each; launches 15 s apart, as in the runs docs/bench/history.md quotes
+    if gpus:  # at the same time, one GPU each; launches staggered (below), as in the runs docs/bench/history.md quotes
         from opd_patches.embedded import build as embedded
 
         embedded.build(REPO / ".cache" / "embedded")  # once here: the threads then find it up to date

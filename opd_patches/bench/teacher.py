@@ -1,5 +1,5 @@
 """The `teacher` phase: the colocated worker's scoring (`opd_patches.teacher.scoring.score_sequences`,
-sampled-token k=0 and top-k) against a plain-PyTorch forward + chunked top-k reference (notes/gpu.md:
+sampled-token k=0 and top-k) against a plain-PyTorch forward + chunked top-k reference (docs/performance.md:
 `ref_teacher_seqs` sequences per forward, lm_head + fp32 log_softmax + topk per `ref_teacher_chunk`
 tokens), on one step's sequences (random token ids), random-weight model of the size, eval mode.
 """

@@ -35,7 +35,7 @@ def vllm_available() -> bool:
 
     Not `torch.cuda.is_available()`: it calls cudaGetDeviceCount, which marks the process so that a
     forked child fails with "Cannot re-initialize CUDA in forked subprocess" (vLLM's engine process,
-    issue 13); `torch.cuda.device_count()` asks NVML and leaves the process clean (torch's docs).
+    docs/evaluation.md); `torch.cuda.device_count()` asks NVML and leaves the process clean (torch's docs).
     """
     try:
         if "vllm" not in sys.modules and importlib.util.find_spec("vllm") is None:

@@ -8,8 +8,8 @@ an interruption loses. Prompts go in as token ids (no special tokens added: the 
 BOS), as in VERL's vLLM rollout. `tensor_parallel_size` is `$OPD_EVAL_TP` (default 1);
 `gpu_memory_utilization` is sized from the memory free at the engine's start
 (`opd_patches.eval.gpu_memory`), unless given (`--gpu-memory-utilization`, `$OPD_EVAL_GPU_MEM`). Compilation as the training rollout's
-(recipes/device/gpu.yaml: CUDA graphs for decode, no torch.compile; on an H200 the engine starts in
-about 110 s instead of about 140 s with vLLM's default, at the same decode speed, notes/gpu.md);
+(recipes/device/gpu.yaml: CUDA graphs for decode, no torch.compile; the engine starts faster than with
+vLLM's default, at the same decode speed);
 `OPD_EVAL_VLLM_COMPILE=default` gives vLLM's own default.
 
 With `--verifier`, the judge's engine starts after the evaluated model's is deleted; vLLM does not
@@ -19,7 +19,7 @@ Start method: vLLM runs its engine core in a child process, forked unless
 `VLLM_WORKER_MULTIPROC_METHOD=spawn`, and forces spawn itself only when `torch.cuda.is_initialized()`.
 A process that merely called `torch.cuda.is_available()` (cudaGetDeviceCount) is not "initialized" but
 its forked children cannot use CUDA: the engine died with "Cannot re-initialize CUDA in forked
-subprocess" (issue 13). So the backend sets `VLLM_WORKER_MULTIPROC_METHOD=spawn` before vLLM is
+subprocess" (docs/evaluation.md). So the backend sets `VLLM_WORKER_MULTIPROC_METHOD=spawn` before vLLM is
 imported, unless the user set the variable; spawn re-imports the main module in the child, so a
 script that builds this backend needs the `if __name__ == "__main__":` guard (`python -m
 opd_patches.eval` has it). The evaluation process itself makes no CUDA call before the engine starts

@@ -3,7 +3,7 @@
 VERL computes top-k losses in two places: per token inside the actor's forward pass (the
 "logits processor", where the student logits exist), then aggregated by the registered loss.
 The truncated top-k sum is upstream's own per-token output (`distillation_losses`); the tail
-term needs the logits, so `tail_hook` (installed by backends/upstream_patches.py) adds it
+term needs the logits, so the run-time patch opd_patches/patches/compute_forward_kl_topk.py adds it
 there as `tail_losses`, differentiable, and this loss sums the two without any clamp.
 """
 
@@ -59,7 +59,7 @@ def _ensure_registered():
         if "tail_losses" not in model_output:
             raise RuntimeError(
                 f"{NAME}: the logits processor produced no tail_losses; the hook in "
-                "opd_patches/backends/upstream_patches.py is not installed in this worker "
+                "opd_patches/patches/compute_forward_kl_topk.py is not applied in this worker "
                 "(does VERL_USE_EXTERNAL_MODULES name opd_patches.registered?)."
             )
         truncated = no_padding_2_padding(model_output["distillation_losses"], data)

@@ -47,7 +47,7 @@ loss): on the kernel path a teacher id counts as in the student's top-k when few
 strictly greater than its logit; torch.topk breaks ties arbitrarily, so the paths agree where there
 are no ties. The kernel path needs no scratch beyond O(T*K).
 Selection: `opd.lean_topk` (recipes/base.yaml) -> env OPD_LEAN_TOPK in every Ray worker ->
-`enabled()`; the hook is backends/upstream_patches.py. `DEFAULT_ENABLED` applies when the variable is unset.
+`enabled()`; the hook is opd_patches/patches/compute_forward_kl_topk.py. `DEFAULT_ENABLED` applies when the variable is unset.
 Shapes: logits (T, V) or hidden (T, H) + weight (V, H); teacher ids/log-probs (T, K); outputs (T,).
 """
 
@@ -61,10 +61,9 @@ from opd_patches.losses import lean_topk_triton
 from opd_patches.losses.switch import env_switch
 from opd_patches.losses.tail_kl import _LOG_FLOOR, TAIL_EPS, log1mexp
 
-# On by default: on one H200 at the 1.5B architecture (docs/bench/h200-2026-11-30-b.json, update rows,
-# Triton kernels) it held 0.40x (forward_kl_topk) and 0.23x (forward_kl_topk_tail) of upstream's peak
-# memory at 0.92x and 0.78x of its time; the torch path alone: 0.41x / 0.26x at 1.02x / 0.94x
-# (the first kernels call of that day).
+# On by default: in the update at the 1.5B architecture it holds well under half of upstream's peak memory,
+# in less time with the Triton kernels and in about the same with the torch path alone (docs/performance.md,
+# the kernels phase).
 DEFAULT_ENABLED = True
 ENV = "OPD_LEAN_TOPK"
 LOSS_MODES = ("forward_kl_topk", "forward_kl_topk_tail")

@@ -5,8 +5,8 @@
 What it replaces. `verl.utils.torch_functional.logprobs_from_logits` (verl 0.9.1) uses flash-attn's
 Triton cross-entropy when flash-attn is installed, torch_npu's on Ascend, and otherwise
 `logprobs_from_logits_v2`, which for bf16 logits loops over the rows in Python (one log_softmax per
-token: 1.9 s fwd+bwd for (15,600 x 151,936) on an H200 against 0.014 s for one batched log_softmax).
-This file is that fallback's replacement; backends/upstream_patches.py swaps it in (flash-attn and
+token: far slower than one batched log_softmax, docs/performance.md).
+This file is that fallback's replacement; opd_patches/patches/logprobs_from_logits_v2.py swaps it in (flash-attn and
 NPU paths untouched).
 
 Numerics (matching what upstream computes where the actor runs, VERL's FSDP engine under
@@ -91,7 +91,7 @@ class SampledLogprob(torch.autograd.Function):
             p.scatter_add_(-1, safe[a:b, None], p.new_full((p.shape[0], 1), -1.0))  # softmax - onehot
             if p.is_cuda or p.dtype == grad.dtype:  # g (onehot - softmax), cast to the logits' dtype in one pass
                 torch.mul(p, neg_g[a:b, None], out=grad[a:b])
-            else:  # the CPU's mixed-dtype `out=` path is not vectorised (4x slower than multiply, then cast)
+            else:  # the CPU's mixed-dtype `out=` path is not vectorised (slower than multiply, then cast)
                 grad[a:b] = p.mul_(neg_g[a:b, None])
             del p
         return grad, None, None

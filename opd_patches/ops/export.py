@@ -3,8 +3,8 @@
 VERL copies `actor_rollout_ref.model.override_config` into the model config it saves with each HF
 export, so `opd.attn_implementation`'s `torch_varlen` (registered in transformers by opd_patches
 in the training processes only) lands in `config.json` as `"attn_implementation": "torch_varlen"`.
-transformers then refuses to load the export anywhere that registration is absent (seen on an H200:
-the export validation failed with "Specified `attn_implementation="torch_varlen"` is not supported").
+transformers then refuses to load the export anywhere that registration is absent (the export
+validation fails with "Specified `attn_implementation="torch_varlen"` is not supported").
 `make_portable` drops that key when it names an implementation of this project, before validation
 and hashing (ops/finish.py), so the export loads with transformers' default attention everywhere.
 """

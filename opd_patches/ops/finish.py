@@ -57,8 +57,7 @@ def die_with_parent(parent_pid: int | None) -> None:
 
 
 # An export this small (the tiny test models) is validated in this process: the child's start-up (importing
-# torch and transformers: its validation took 6.7-9.3 s on 2 cores, 0.1 s in-process) costs more than the
-# check, and its memory is no concern.
+# torch and transformers) costs far more than the check, and its memory is no concern.
 IN_PROCESS_BYTES = 64 * 2**20
 
 
@@ -153,7 +152,7 @@ def large(export: Path, expected_params: int | None) -> bool:
 
 def validated_here(state: Path, expected_params: int | None, timeout_s: float) -> dict | None:
     """The validation of `state`'s tiny export, done in this process before its background finish starts (that
-    process then imports neither torch nor transformers: ~5 s of CPU each on 2 cores, more than the check);
+    process then imports neither torch nor transformers, each more CPU than the check, docs/bench/history.md);
     None for any other export (the finish validates it). Leaves this process's torch random state as it was."""
     hf = Path(state) / receipts.HF_EXPORT
     if not tiny(hf):
@@ -203,7 +202,7 @@ def finish(state: Path, step: int, validate: bool = True, expected_params: int |
     hold_s: TEST ONLY (opd.debug.finish_hold_s) wait before hashing: a window to kill the run in.
     validator: a Validator of this state's export started earlier by the caller (else started here).
 
-    Side by side (on the H200 the stages took 10 + 25 + 36 + 28 s one after another at 1.5B): the state's
+    Side by side (at 1.5B each stage takes tens of seconds, docs/performance.md): the state's
     files outside the export are hashed by a thread as soon as all writes have ended, while the export is
     built (it waits only for the model files) and validated; the export's own files are hashed beside its
     validation. The receipt still comes after every write, the validation and every hash."""
@@ -240,8 +239,8 @@ def _finish(state: Path, step: int, validate: bool, expected_params: int | None,
                     "ended_at": time.time()}
     t_exported = time.monotonic()
     export.make_portable(state / receipts.HF_EXPORT)  # before validation and hashing: what users load
-    # The export's files are hashed beside its validation (which only reads them): on the H200 the two took
-    # 24-26 s and 6 s one after the other at 1.5B, and the last save of a run waits for both.
+    # The export's files are hashed beside its validation (which only reads them): the last save of a run
+    # waits for both, and one after the other their times add up (docs/performance.md).
     with ThreadPoolExecutor(1, thread_name_prefix="export-sha256") as pool:
         hf_hashing = pool.submit(receipts.hash_files, state, receipts.state_files(state, under=receipts.HF_EXPORT))
         if warm is not None:
@@ -330,7 +329,7 @@ def main(argv=None) -> int:
         ready = time.time()
         code = validate.main(rest)
         print(TIMES + json.dumps({"ready_at": ready, "ended_at": time.time()}), flush=True)
-        # The answer is written: leave without tearing down torch and a 1.5 B model (1.4-1.8 s on H100 hosts).
+        # The answer is written: leave without tearing down torch and a 1.5 B model (docs/performance.md).
         sys.stderr.flush()
         os._exit(code)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

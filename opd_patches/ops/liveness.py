@@ -3,8 +3,8 @@
 Upstream's sync trainer hands a step's prompts to the agent-loop workers and then waits in
 `ReplayBuffer.sample` until TransferQueue holds the step's finished samples, polling without a deadline.
 If an actor on the rollout side dies meanwhile (Ray's memory monitor kills a worker when the host runs out
-of memory; an engine crashes), those samples never arrive and the trainer waits for ever: on 2026-12-05 a
-CPU run whose hf rollout server the OOM killer took at step 54 sat 55 minutes without a word.
+of memory; an engine crashes), those samples never arrive and the trainer waits for ever without a word
+(docs/training.md).
 
 `install()` wraps the replay buffer's poll (`_wait_for_next_poll`, called between looks at TransferQueue;
 tests/test_liveness.py guards it) so that every `opd.liveness_check_s` seconds of waiting it asks Ray
@@ -15,6 +15,8 @@ state is what `trainer.resume_mode=auto` resumes from.
 
 import time
 from typing import Any, Callable
+
+from opd_patches.patches import replay_wait_for_next_poll
 
 DEFAULT_EVERY_S = 30.0
 
@@ -60,12 +62,11 @@ def dead(actors: dict[str, Any], timeout_s: float = 10.0) -> list[str]:
 
 
 def install(replay_buffer, actors: Callable[[], dict[str, Any]], every_s: float = DEFAULT_EVERY_S) -> None:
-    """Check `actors()` every `every_s` seconds spent waiting in `replay_buffer`'s poll loop."""
-    wait = replay_buffer._wait_for_next_poll
+    """Check `actors()` every `every_s` seconds spent waiting in `replay_buffer`'s poll loop (the run-time patch
+    opd_patches/patches/replay_wait_for_next_poll.py)."""
     due = [time.monotonic() + every_s]
 
-    def _wait_for_next_poll(partition_id, last_debug_time):
-        out = wait(partition_id, last_debug_time)
+    def check():
         if time.monotonic() >= due[0]:
             names = dead(actors())
             if names:
@@ -76,6 +77,5 @@ def install(replay_buffer, actors: Callable[[], dict[str, Any]], every_s: float 
                     "The run stops here; rerun with trainer.resume_mode=auto to resume from its newest "
                     "complete state.")
             due[0] = time.monotonic() + every_s
-        return out
 
-    replay_buffer._wait_for_next_poll = _wait_for_next_poll
+    replay_wait_for_next_poll.apply(replay_buffer, check)

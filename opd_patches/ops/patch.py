@@ -8,7 +8,7 @@ Stdlib only: the Makefile runs it as a script (`python opd_patches/ops/patch.py 
 importing opd_patches (and so verl).
 
 Conventions:
-- Editable surface: SURFACE below (opd_patches, recipes, run.sh, Makefile, README.md, docs, tests). Changes
+- Editable surface: SURFACE below (opd_patches, recipes, run.sh, Makefile, README.md, docs, tests, tools). Changes
   elsewhere are listed as "not in the patch"; a patch touching verl_vendor/ or anything outside the
   surface is refused by `check`.
 - Base: `--base REF` (make: BASE=...), else, for `check`, the base commit written in the patch's
@@ -33,7 +33,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-SURFACE = ("opd_patches", "recipes", "run.sh", "Makefile", "README.md", "docs", "tests")
+SURFACE = ("opd_patches", "recipes", "run.sh", "Makefile", "README.md", "docs", "tests", "tools")
 FORBIDDEN = ("verl_vendor",)
 BASE_TAG = "opd-base"
 HEADER = "# opd-patch"

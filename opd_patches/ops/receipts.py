@@ -88,7 +88,7 @@ def _block(path: Path, index: int) -> bytes:
 
 def hash_files(state_dir: Path, rels: list[str], workers: int | None = None) -> dict:
     """{relpath: {"bytes", "sha256_blocks"}} of the given files: every block of every file hashed by one pool of
-    threads (on the H100 host, a 1.5 B state's 21.3 GB from the page cache: 1.9 s on 16 threads, 24.3 s on one)."""
+    threads (a 1.5 B state's 21.3 GB from the page cache: many times faster than one thread, docs/performance.md)."""
     state_dir = Path(state_dir)
     sizes = {rel: (state_dir / rel).stat().st_size for rel in rels}
     workers = workers or max(1, min(16, os.cpu_count() or 1))

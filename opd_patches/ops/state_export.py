@@ -1,8 +1,8 @@
 """The HF export of a save built from its state files, off the trainer's path (`opd.background_export`).
 
 Upstream's `FSDPCheckpointManager.save_checkpoint` with `hf_model` in `checkpoint.save_contents` gathers
-the full weights to rank 0 and `save_pretrained`s them while training waits (7.1 GB at 1.5B; on one
-H200 the trainer waited 25.5 s at a `topk` run's first save with it, 10.6 s with the export here, docs/bench/history.md). With `opd.background_export: true` opd_patches.main takes `hf_model` out of the
+the full weights to rank 0 and `save_pretrained`s them while training waits (7.1 GB at 1.5B; the export
+here cuts the trainer's wait at a save by more than half, docs/bench/history.md). With `opd.background_export: true` opd_patches.main takes `hf_model` out of the
 actor's `save_contents` (upstream still writes `huggingface/` with the config, tokenizer and generation
 config) and the save's finish (finish.py, a CPU subprocess beside training) calls `write_export`:
 

@@ -1,9 +1,10 @@
 """Upstream's state files written by a thread of the worker, so that training does not wait for the disk.
 
 VERL's `FSDPCheckpointManager.save_checkpoint` (verl/utils/checkpoint/fsdp_checkpoint_manager.py) writes
-each rank's model, optimizer and extra state with `torch.save(obj, path)`: at 1.5B on one H200 that
-is 21.3 GB from GPU memory, ~32 s during which the trainer waits. With `opd.background_state_write`
-(env OPD_ASYNC_STATE_WRITE=1; upstream_patches 8 routes those three calls here):
+each rank's model, optimizer and extra state with `torch.save(obj, path)`: at 1.5B that is 21.3 GB
+from GPU memory, tens of seconds during which the trainer waits (docs/performance.md). With `opd.background_state_write`
+(env OPD_ASYNC_STATE_WRITE=1; the run-time patch opd_patches/patches/fsdp_save_checkpoint.py routes those three
+calls here):
 
 - the call copies every tensor of `obj` to host memory (a snapshot: training goes on and updates the
   originals in place), leaves the marker `<path>.writing` and returns;
@@ -21,7 +22,6 @@ and kept for the next save (PINNED).
 """
 
 import atexit
-import contextlib
 import copy
 import os
 import queue
@@ -34,8 +34,8 @@ import torch
 from opd_patches.ops.receipts import FAILED, PARTIAL, WRITING  # the markers; the finish waits on them
 
 ENV = "OPD_ASYNC_STATE_WRITE"
-# Snapshots of CUDA tensors go to page-locked host memory: on the H200, 21.3 GB in 3.3 s against 19.1 s pageable;
-# pinning costs once (the first save: 10.3 s), then torch's caching host allocator reuses the blocks, so the
+# Snapshots of CUDA tensors go to page-locked host memory, several times faster than to pageable memory;
+# pinning costs once (the first save), then torch's caching host allocator reuses the blocks, so the
 # process keeps one state's size pinned (make bench PHASE=save, docs/performance.md).
 PINNED = True
 
@@ -148,14 +148,3 @@ def _plain(obj) -> bool:
     if isinstance(obj, (list, tuple)):
         return all(_plain(v) for v in obj)
     return True
-
-
-@contextlib.contextmanager
-def deferred_saves(module, writer: _Writer | None = None):
-    """While inside, `module`'s global name `torch` defers `torch.save(obj, path)` to the writer thread."""
-    original = module.torch
-    module.torch = _TorchDeferredSave(writer or _WRITER)
-    try:
-        yield
-    finally:
-        module.torch = original

@@ -22,9 +22,9 @@ upstream's fit loop already calls:
 - non-finite guard (guard.py): NaN/inf teacher log-probs (checked before the update), loss or grad
   norm (after it) stop the run before anything of that step is saved; exit status 3;
 - `<run>/run_summary.json` (summary.py) whenever the fit loop ends;
-- the replay buffer's poll (`opd.replay_poll_s`): upstream's sync sampler sleeps a fixed 2 s between
+- the replay buffer's poll (`opd.replay_poll_s`): upstream's sync sampler sleeps a fixed period between
   looks at TransferQueue while the rollout runs (`ReplayBuffer.poll_interval`, no config key), so every
-  generation took a whole number of 2-s periods (a CPU step's 0.4 s of sampling logged 2.02 s).
+  generation takes a whole number of those periods (recipes/base.yaml, docs/learning.md).
 - a dead rollout-side actor (liveness.py, `opd.liveness_check_s`): checked while the trainer waits for a
   step's samples; the run stops with the actors named instead of waiting for ever.
 
@@ -48,6 +48,7 @@ from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 
 from opd_patches.ops import checkpoints, finish, guard, liveness, summary
 from opd_patches.ops.budget import WallClock
+from opd_patches.patches import replay_poll_interval
 
 NAME = "opd_sync"
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -114,12 +115,12 @@ class OpsTrainerMixin:
         self._ops_step_started = None
         self._ops_steps_this_process = 0
         self._ops_expected_params = None
-        # Upstream's ReplayBuffer takes poll_interval only as a constructor argument (default 2.0 s) that its
-        # builder never passes; the attribute is what its wait reads (tests/test_upstream_patches.py guards it).
+        # Upstream's ReplayBuffer takes poll_interval (seconds) only as a constructor argument that its builder
+        # never passes; the attribute is what its wait reads (opd_patches/patches/replay_poll_interval.py).
         poll = opd.get("replay_poll_s", 0.05)
         if isinstance(poll, bool) or not isinstance(poll, (int, float)) or poll <= 0:
             raise ValueError(f"opd.replay_poll_s={poll!r}: a positive number of seconds.")
-        self.replay_buffer.poll_interval = float(poll)
+        replay_poll_interval.apply(self.replay_buffer, float(poll))
         every = opd.get("liveness_check_s", liveness.DEFAULT_EVERY_S)
         if isinstance(every, bool) or not isinstance(every, (int, float)) or every <= 0:
             raise ValueError(f"opd.liveness_check_s={every!r}: a positive number of seconds.")

@@ -22,7 +22,7 @@ import sys
 import time
 
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
-GRACE_S = 10.0  # SIGTERM -> SIGKILL of CMD's group (the study's own stop waits 20 s for the guard)
+GRACE_S = 10.0  # SIGTERM -> SIGKILL of CMD's group (shorter than the study's own wait for the guard, runner.stop_session)
 SWEEP_S = 20.0
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 

@@ -10,7 +10,7 @@ export validation and logging are included), averaged over the last `WINDOW` int
 steps are seen, step 1's own `timing_s/step` (an over-estimate: it includes warm-up); before step 1, the
 mean duration of the study's earlier runs (`expected_s`) minus the time elapsed. With a wall clock
 (`opd.wall_clock_s`) the ETA is capped by the time left on it.
-"""
+"""  # lint: allow-figure (an example of the line it prints)
 
 from __future__ import annotations
 

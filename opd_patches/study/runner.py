@@ -175,8 +175,8 @@ def run_child(cmd: list[str], env: dict, log_path: Path, child_file: Path | None
 def shared_cores_env(env: dict) -> dict:
     """For a process that shares the machine's cores with other runs: one OpenMP/torch thread per process
     (unless the caller's environment sets it). Every process of a run spinning up as many threads as there
-    are cores oversubscribes them: two 2-thread evaluations side by side on 2 cores took 40.9 s, with one
-    thread each 14.9 s (docs/bench/history.md, 2026-12-03)."""
+    are cores oversubscribes them: two evaluations side by side ran several times slower with a thread per
+    core each than with one thread each (docs/bench/history.md)."""
     if "OMP_NUM_THREADS" not in os.environ:
         env = {**env, "OMP_NUM_THREADS": "1"}
     return env

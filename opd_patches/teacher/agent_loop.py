@@ -8,8 +8,8 @@ worker group instead. Selected by `actor_rollout_ref.rollout.agent.agent_loop_ma
 `colocated_teacher` trainer mode sets it).
 
 Per sample, upstream's worker also makes a Ray call to a reward-loop worker (`_compute_score`) and two to
-the global load balancer (acquire, release) around the call to the rollout server. On a 2-core machine
-these round trips were about half of a learning step's generation time (docs/learning.md), so:
+the global load balancer (acquire, release) around the call to the rollout server. On a small CPU host
+these round trips are a large share of a learning step's generation time (docs/learning.md), so:
 - `InProcessRewardWorker`: a rule-based reward (no reward model) is computed by upstream's own
   `RewardLoopWorker` instantiated inside the agent-loop worker, called through the same
   `handle.compute_score.remote(data)` expression upstream uses;

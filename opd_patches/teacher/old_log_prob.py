@@ -128,7 +128,7 @@ def describe(mode: str, reason: str) -> str:
     return f"[opd] old log-probs: {mode}: {what} [{reason}]"
 
 
-# ---- worker side (reached through opd_patches/backends/upstream_patches.py) ---------------------
+# ---- worker side (reached through opd_patches/patches/distillation_ppo_loss.py) -----------------
 
 
 def with_current_as_old(model_output: dict, data):
