@@ -30,6 +30,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from opd_patches.eval.gpu_memory import process_name
+
 REPO = Path(__file__).resolve().parents[2]
 PHASE_KEYS = ("gen", "teacher", "old_log_prob", "update_actor", "update_weights", "save_checkpoint", "step")
 
@@ -38,14 +40,6 @@ def _smi(query: str, *fields: str) -> list[list[str]]:
     out = subprocess.run(["nvidia-smi", f"--query-{query}={','.join(fields)}", "--format=csv,noheader,nounits"],
                          capture_output=True, text=True, timeout=10).stdout
     return [[x.strip() for x in line.split(",")] for line in out.strip().splitlines() if line.strip()]
-
-
-def process_name(pid: int) -> str:
-    try:
-        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-    except OSError:
-        return "?"
-    return " ".join(a.decode(errors="replace") for a in argv if a)[:100] or "?"
 
 
 class DevicePeak(threading.Thread):

@@ -58,7 +58,8 @@ def visible_devices(count: int = 1) -> list[str]:
     return names[:count]
 
 
-def _process_name(pid: int) -> str:
+def process_name(pid: int) -> str:
+    """The command line of `pid`, shortened (a process of another container or user has none here)."""
     try:
         argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
     except OSError:
@@ -76,7 +77,7 @@ def read(device: str) -> Reading:
                   else pynvml.nvmlDeviceGetHandleByUUID(device))
         info = pynvml.nvmlDeviceGetMemoryInfo(handle)
         procs = pynvml.nvmlDeviceGetComputeRunningProcesses(handle)
-        holders = [Holder(p.pid, _process_name(p.pid), int(p.usedGpuMemory or 0)) for p in procs]
+        holders = [Holder(p.pid, process_name(p.pid), int(p.usedGpuMemory or 0)) for p in procs]
         return Reading(pynvml.nvmlDeviceGetIndex(handle), int(info.free), int(info.total), holders)
     finally:
         pynvml.nvmlShutdown()

@@ -110,7 +110,7 @@ def estimate(backend, n_pending: int, max_new_tokens: int, sample_prompt: str) -
     if backend.name == "hf":
         rate, how = backend.measure_tokens_per_second(sample_prompt), "measured on one batch, short context"
     else:
-        rate, how = VLLM_ASSUMED_TOKENS_PER_S, "assumed (1.5B model, one H200)"
+        rate, how = VLLM_ASSUMED_TOKENS_PER_S, "assumed (a 1.5B model on one current data-centre GPU; docs/evaluation.md)"
     tokens = n_pending * max_new_tokens
     seconds = tokens / rate
     log(f"estimate: {n_pending:,d} samples x up to {max_new_tokens:,d} new tokens = {tokens / 1e6:,.2f} M tokens; "
