@@ -33,6 +33,7 @@ import pytest
 from background import POOL, Spec, shared_run
 from flag_runs import WALL_S
 from opd_patches.ops import checkpoints, receipts, summary
+from opd_patches.study.guard import kill_session
 
 REPO = Path(__file__).resolve().parents[1]
 COMMON = [
@@ -46,11 +47,6 @@ COMMON = [
 ]
 LOSSES = ("actor/loss", "actor/distillation/loss", "actor/pg_loss")
 pytestmark = pytest.mark.slow
-
-
-def _session_leftovers(sid: int) -> list[int]:
-    out = subprocess.run(["ps", "-eo", "pid=,sid="], capture_output=True, text=True).stdout.split("\n")
-    return [int(p) for p, s in (line.split() for line in out if line.strip()) if int(s) == sid]
 
 
 class Job:
@@ -94,15 +90,8 @@ class Job:
         os.killpg(self.proc.pid, signal.SIGKILL)
         self.proc.wait(30)
         # Ray processes of that session outside its process group, if any: killed too, until none is listed
-        # (the group's own processes leave the list as they are reaped); 30 s at most.
-        deadline = time.monotonic() + 30
-        while (left := _session_leftovers(self.proc.pid)) and time.monotonic() < deadline:
-            for pid in left:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            time.sleep(0.05)
+        # (the study guard's sweep; 30 s at most).
+        kill_session(self.proc.pid, timeout=30)
 
 
 def metrics(run_dir: Path, name: str = "metrics.jsonl") -> dict[int, dict]:
