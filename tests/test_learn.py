@@ -15,6 +15,7 @@ A bug that breaks the teaching signal fails these: see the planted-bug record in
 """
 
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -56,10 +57,15 @@ def _learn_spec(arm: str):
         spec["eval"]["checkpoints"] = CHECKPOINTS[arm]
         (base / "learn.yaml").write_text(yaml.safe_dump(spec, sort_keys=False))
 
-        def build(_):  # the task's assets, as `make learn` builds them first (cached in .cache/addition,
-            from opd_patches.embedded.addition import build as build_task  # under a lock: both runs call it)
-
-            build_task(REPO / ".cache" / "addition")
+        def build(out):  # the task's assets, built first as `make learn` does (cached in .cache/addition, under
+            # a lock: both runs call it). A child process: its progress lines go to its log, not into the output
+            # that a test running meanwhile captures, and its training does not share this process's GIL.
+            out.mkdir(parents=True, exist_ok=True)
+            with open(out / "build.log", "w") as log:
+                code = subprocess.run([sys.executable, "-m", "opd_patches.embedded", "--task", "addition",
+                                       "--out", str(REPO / ".cache" / "addition")], cwd=REPO, stdout=log,
+                                      stderr=subprocess.STDOUT).returncode
+            assert code == 0, (out / "build.log").read_text()[-4000:]
 
         return Spec(argv=[sys.executable, "-m", "opd_patches.study", str(base / "learn.yaml"), "--out", str(base / "learn")],
                     timeout=2400, prepare=build)

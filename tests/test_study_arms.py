@@ -89,5 +89,10 @@ def test_spec_ablate_and_cli(tmp_path, k1_topk, capsys):
     assert [a.name for a in spec.arms] == ["k1", "k1+loss", "k1+lr", "k1+data_order", "topk"]
     assert spec.arm("k1+data_order").overrides == ["data.shuffle=true"] and spec.control == "k1"
     # The CLI's function in this process (VERL already imported here: a fresh one would import it again).
+    # Shared end-to-end runs work in threads of this process meanwhile: their lines may surround the JSON
+    # in the captured output (never split it: it is printed in one write), so it is read from its first line.
+    capsys.readouterr()
     assert arms.main(["--control", "k1", "--treatment", "topk", "--json"]) == 0
-    assert [a["name"] for a in json.loads(capsys.readouterr().out)["arms"]] == [a["name"] for a in k1_topk["arms"]]
+    out = capsys.readouterr().out
+    printed, _ = json.JSONDecoder().raw_decode(out, out.index("{\n"))
+    assert [a["name"] for a in printed["arms"]] == [a["name"] for a in k1_topk["arms"]]
