@@ -26,7 +26,7 @@ endif
 .PHONY: learn install smoke smoke-gpu test test-fast lint vendor-check vendor validate preflight patch patch-check data data-eval eval plot bench bench-cpu-kernels bench-logprob checkpoints study arms
 
 install: $(DEPS)
-	@$(PY) opd_patches/ops/patch.py record-base   # tags the commit you start from as opd-base, once
+	@$(PY) tools/patch.py record-base   # tags the commit you start from as opd-base, once
 
 $(VENV)/.installed-%: requirements/%.txt pyproject.toml verl_vendor/pin.toml
 ifeq ($(WHEELHOUSE),)
@@ -36,27 +36,27 @@ ifeq ($(WHEELHOUSE),)
 	$(PY) -m pip install -q --no-deps -e .
 	$(PY) verl_vendor/vendor.py check
 else
-	python3 opd_patches/ops/wheelhouse.py install --profile $* --dir $(WHEELHOUSE) --venv $(VENV)
+	python3 tools/wheelhouse.py install --profile $* --dir $(WHEELHOUSE) --venv $(VENV)
 endif
-	@$(PY) opd_patches/ops/patch.py record-base   # also when smoke/test/... install implicitly: make patch needs it
+	@$(PY) tools/patch.py record-base   # also when smoke/test/... install implicitly: make patch needs it
 	@rm -f $(VENV)/.installed-*
 	@touch $@
 
 # Every wheel of a profile for its target (gpu: Linux x86_64 glibc >= 2.35, CPython 3.12; cpu: this
 # machine), resolved at requirements/uv.toml's date, sdist-only pure-Python packages built into wheels.
-# Copy DIR to the offline host, then `make install WHEELHOUSE=DIR` there (opd_patches/ops/wheelhouse.py).
+# Copy DIR to the offline host, then `make install WHEELHOUSE=DIR` there (tools/wheelhouse.py).
 .PHONY: wheelhouse
 wheelhouse:
-	python3 opd_patches/ops/wheelhouse.py build --profile $(PROFILE) --dir $(or $(DIR),.cache/wheelhouse-$(PROFILE))$(if $(TORCH_FROM), --torch-from $(TORCH_FROM))
+	python3 tools/wheelhouse.py build --profile $(PROFILE) --dir $(or $(DIR),.cache/wheelhouse-$(PROFILE))$(if $(TORCH_FROM), --torch-from $(TORCH_FROM))
 
 smoke: $(DEPS)
-	$(PY) -m opd_patches.smoke --timeout $(SMOKE_TIMEOUT)
+	$(PY) -m tools.smoke --timeout $(SMOKE_TIMEOUT)
 
-# Opt-in GPU smoke (opd_patches/smoke_gpu.py): vLLM rollout + colocated teacher + FSDP update, 2 steps of
+# Opt-in GPU smoke (tools/smoke_gpu.py): vLLM rollout + colocated teacher + FSDP update, 2 steps of
 # topk at the R1-Distill-1.5B architecture (random weights), one save, the export evaluated by vLLM.
 # PART=train|eval runs one half (two 10-minute windows); SMOKE_GPU_ARGS e.g. "--recipe k1 --limit 8".
 smoke-gpu: $(DEPS)
-	$(PY) -m opd_patches.smoke_gpu $(if $(PART),--part $(PART)) $(if $(OUT),--out $(OUT)) $(SMOKE_GPU_ARGS)
+	$(PY) -m tools.smoke_gpu $(if $(PART),--part $(PART)) $(if $(OUT),--out $(OUT)) $(SMOKE_GPU_ARGS)
 
 # End-to-end runs start in the background after collection (tests/background.py; OPD_TEST_JOBS slots).
 # Bytecode is cached even where PYTHONDONTWRITEBYTECODE is set (as on this project's machines): otherwise
@@ -69,9 +69,11 @@ test: $(DEPS)
 test-fast: $(DEPS)
 	PYTHONDONTWRITEBYTECODE= $(PY) -m pytest -q -m "not slow and not fresh_process" --durations=10
 
-# No machine names, dates, commit hashes, issue numbers or measured figures in comments (tools/lint_history.py).
+# No machine names, dates, commit hashes, issue numbers or measured figures in comments (tools/lint_history.py);
+# the import map: no circle, nothing in the runtime imports tools/, training imports no eval/study/data (tools/lint_imports.py).
 lint:
 	python3 tools/lint_history.py
+	python3 tools/lint_imports.py
 
 vendor-check: $(DEPS)
 	$(PY) verl_vendor/vendor.py check
@@ -83,7 +85,7 @@ vendor:
 # VALIDATE_ARGS e.g. "--expected-from deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B --dtype float32".
 validate: $(DEPS)
 	@test -n "$(CKPT)" || { echo "usage: make validate CKPT=<run folder | run/global_step_N | .../actor/huggingface> [VALIDATE_ARGS=...]"; exit 2; }
-	$(PY) -m opd_patches.validate $(CKPT) $(VALIDATE_ARGS)
+	$(PY) -m opd_patches.ops.validate $(CKPT) $(VALIDATE_ARGS)
 
 # The trainer states of a run folder: step, complete (receipt), export validation (opd_patches/ops/checkpoints.py).
 # VERIFY=1: also re-hash every file against its receipt's sha256 (reads every state whole), as a resume does.
@@ -96,18 +98,18 @@ checkpoints: $(DEPS)
 PREFLIGHT_OUT ?= preflight.json
 preflight: $(DEPS)
 	@test -n "$(STUDENT)" -a -n "$(TEACHER)" || { echo "usage: make preflight STUDENT=<model> TEACHER=<model> [DATA=train.parquet] [PREFLIGHT_OUT=preflight.json]"; exit 2; }
-	$(PY) -m opd_patches.preflight --student $(STUDENT) --teacher $(TEACHER) $(if $(DATA),--data $(DATA)) --out $(PREFLIGHT_OUT) $(PREFLIGHT_ARGS)
+	$(PY) -m opd_patches.checks.preflight --student $(STUDENT) --teacher $(TEACHER) $(if $(DATA),--data $(DATA)) --out $(PREFLIGHT_OUT) $(PREFLIGHT_ARGS)
 
 # The submission patch: the editable surface (opd_patches recipes run.sh Makefile README.md docs tests tools),
 # untracked files included, diffed against BASE (default: the tag opd-base that `make install` made).
 # patch-check rewrites it, applies it to a clean checkout of the base and runs the vendor check.
-# (opd_patches/ops/patch.py is run as a script, = python -m opd_patches.ops.patch without importing verl.)
+# (tools/patch.py is run as a script, = python -m tools.patch without importing verl.)
 PATCH_FILE ?= opd.patch
 patch: $(DEPS)
-	$(PY) opd_patches/ops/patch.py write $(if $(BASE),--base $(BASE)) --out $(PATCH_FILE)
+	$(PY) tools/patch.py write $(if $(BASE),--base $(BASE)) --out $(PATCH_FILE)
 
 patch-check: patch
-	$(PY) opd_patches/ops/patch.py check $(if $(BASE),--base $(BASE)) --patch $(PATCH_FILE)
+	$(PY) tools/patch.py check $(if $(BASE),--base $(BASE)) --patch $(PATCH_FILE)
 
 # Training data: DAPO-style or {problem, answer} rows -> VERL parquet, de-duplicated, decontaminated
 # against the evaluation sets (opd_patches/data/prepare.py). DATA_ARGS e.g. "--val-size 256 --eval-sets DIR".
@@ -134,26 +136,26 @@ plot: $(DEPS)
 	@if ls $(RUN)/global_step_*/eval/*/summary.json >/dev/null 2>&1; then $(PY) -m opd_patches.eval.plot $(RUN) --out $(RUN)/plots/scores.png; fi
 	$(PY) -m opd_patches.eval.plot --curves $(RUN)/metrics.jsonl --out $(RUN)/plots/training_curves.png
 
-# Performance phases (opd_patches/bench/): each real code path next to its plain-PyTorch reference,
+# Performance phases (tools/bench/): each real code path next to its plain-PyTorch reference,
 # peak GPU memory per measurement; phases merge into one JSON. SIZE=full needs a CUDA GPU (1.5B
 # architecture, 32 x 5,200 tokens); SIZE=cpu is a quick check. BENCH_ARGS e.g. "--variants lean_topk_tail --no-model".
 # PHASE=step: two training steps of RECIPE through run.sh (ROLLOUT=vllm|hf), VERL's timing_s/* per step;
 # RECIPE="k1 topk" GPUS="0 1" runs both at once, one GPU each. LENGTHS=seed-math500 (or cap@2,seed-math500@2:
 # two steps at the cap, then the profile) gives each response a length from a documented profile
-# (opd_patches/bench/lengths.py; random weights otherwise run every response to the cap).
+# (opd_patches/hooks/lengths.py; random weights otherwise run every response to the cap).
 PHASE ?= kernels
 bench: $(DEPS)
-	$(PY) -m opd_patches.bench --phase $(PHASE) $(if $(SIZE),--size $(SIZE)) --out $(or $(OUT),bench.json) \
+	$(PY) -m tools.bench --phase $(PHASE) $(if $(SIZE),--size $(SIZE)) --out $(or $(OUT),bench.json) \
 	  $(if $(RECIPE),--recipe $(RECIPE)) $(if $(GPUS),--gpus $(GPUS)) $(if $(ROLLOUT),--rollout $(ROLLOUT)) $(if $(LENGTHS),--lengths $(LENGTHS)) $(BENCH_ARGS)
 
 # CPU regression benchmark of the loss kernels (JSON for comparisons between commits on one machine).
 bench-cpu-kernels: $(DEPS)
-	$(PY) -m opd_patches.bench.cpu_kernels --out $(or $(OUT),outputs/bench/cpu_kernels.json)
+	$(PY) -m tools.bench.cpu_kernels --out $(or $(OUT),outputs/bench/cpu_kernels.json)
 
 # Sampled-token log-prob fwd+bwd, upstream's fallback vs the patched kernel vs naive (about a minute of
 # GPU time at 15,600 x 151,936 bf16; a reduced size on the CPU). BENCH_ARGS e.g. "--tokens 4096".
 bench-logprob: $(DEPS)
-	$(PY) -m opd_patches.bench.logprob $(if $(OUT),--out $(OUT)) $(BENCH_ARGS)
+	$(PY) -m tools.bench.logprob $(if $(OUT),--out $(OUT)) $(BENCH_ARGS)
 
 # Studies (opd_patches/study/): every (arm, seed) of a spec trained via run.sh under one run lock, the chosen
 # checkpoints evaluated, report.md/.json/.png written into OUT (default outputs/studies/<name>). Resumable:

@@ -38,14 +38,15 @@ def register():
     from verl.workers.rollout.replica import RolloutReplicaRegistry
 
     from opd_patches import patches
-    from opd_patches.backends import cpu_platform, torch_varlen  # noqa: F401  (registers "cpu")
+    from opd_patches.attention import torch_varlen
+    from opd_patches.platforms import cpu as cpu_platform  # noqa: F401  (registers "cpu")
     from opd_patches.losses import forward_kl_topk_tail  # noqa: F401  (registers the loss)
 
     patches.apply_all()
     torch_varlen.register()  # attention "torch_varlen" in transformers' registries (packed inputs, no flash-attn)
 
     def _load_hf_replica():
-        from opd_patches.backends.hf_rollout import HFReplica
+        from opd_patches.rollout.hf import HFReplica
 
         return HFReplica
 

@@ -5,7 +5,7 @@
 (run.sh is the usual way in.) Between Hydra and VERL's own V1 trainer it only: takes the one-run
 lock and checks that no other process holds the assigned GPUs (opd_patches/ops/lock.py; exit 75 when
 refused, `opd.force=true` skips both), checks the disk and host memory the run will hold
-(opd_patches/inputs/resources.py), resolves the project's `opd.*` keys (teacher placement, attention,
+(opd_patches/checks/resources.py), resolves the project's `opd.*` keys (teacher placement, attention,
 CPU compute dtype), checks model and data paths, loss settings and student/teacher vocabularies, writes
 `manifest.json` into the run folder, routes metrics to `metrics.jsonl` there, and makes every Ray
 process import opd_patches. Training itself is upstream's `TaskRunnerV1` (with the colocated teacher:
@@ -22,13 +22,13 @@ import hydra
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 import opd_patches
-from opd_patches import manifest
-from opd_patches.inputs import InputError
+from opd_patches.ops import manifest
+from opd_patches.checks import InputError
 
 PLACEMENTS = ("standalone", "colocated")
 PREFLIGHT_MODES = ("off", "cheap", "full")
-COLOCATED_MODE = "colocated_teacher"  # trainer mode of opd_patches/teacher/trainer.py
-OPS_SYNC_MODE = "opd_sync"  # upstream's sync trainer + training operations (opd_patches/ops/trainer.py)
+COLOCATED_MODE = "colocated_teacher"  # trainer mode of opd_patches/trainers/colocated_teacher.py
+OPS_SYNC_MODE = "opd_sync"  # upstream's sync trainer + training operations (opd_patches/trainers/opd_sync.py)
 LAUNCHED_AT = time.time()  # the wall clock (opd.wall_clock_s) counts from here
 COLOCATED_AGENT_LOOP = "opd_patches.teacher.agent_loop.ColocatedTeacherAgentLoopManager"
 VERL_CONFIG_PKG = "pkg://verl.trainer.config"  # run.sh's search path: VERL's ppo_trainer and its groups
@@ -43,12 +43,12 @@ def _files(value) -> list[str]:
 
 
 def check_inputs(config: DictConfig) -> None:
-    """Models and data refused before Ray starts (opd_patches/inputs): each model a folder (or cached hub id)
+    """Models and data refused before Ray starts (opd_patches/checks): each model a folder (or cached hub id)
     with config, weights and a tokenizer with a chat template; each train/val parquet in VERL's RL schema,
     every row checked, and the prompts VERL's length filter would drop counted with the student's tokenizer."""
-    from opd_patches import compat
-    from opd_patches.inputs.data import check_rl_parquet
-    from opd_patches.inputs.models import check_model
+    from opd_patches.checks import compat
+    from opd_patches.checks.data import check_rl_parquet
+    from opd_patches.checks.models import check_model
 
     models = [("actor_rollout_ref.model.path", config.actor_rollout_ref.model.path)]
     for key, teacher in config.distillation.teacher_models.items():
@@ -119,7 +119,7 @@ def run_preflight(config: DictConfig, run_dir: Path | None = None) -> dict:
     default), full (also the step-0 statistics: loads both models in the driver), off. Each model's
     tokenizer is loaded once for all of it. Writes preflight.json into the run folder (when given).
     Returns what the vocabulary check compared (compat.check_vocab)."""
-    from opd_patches import compat, preflight
+    from opd_patches.checks import compat, preflight
 
     mode = str(config.opd.get("preflight", "cheap"))
     if mode not in PREFLIGHT_MODES:
@@ -179,7 +179,7 @@ def apply_attention(config: DictConfig) -> None:
     """`opd.attn_implementation` -> upstream's `actor_rollout_ref.model.override_config.attn_implementation`
     (the student's update and log-prob passes; the colocated teacher reads the same key). auto:
     flash_attention_2 where flash-attn is installed, else torch_varlen on CUDA, else sdpa."""
-    from opd_patches.backends import torch_varlen
+    from opd_patches.attention import torch_varlen
 
     choice = config.opd.get("attn_implementation", "auto")
     try:
@@ -209,14 +209,14 @@ def apply_cpu_dtype(config: DictConfig) -> None:
     `actor_rollout_ref.{actor,ref}.fsdp_config.mixed_precision.param_dtype`, which sets both the FSDP2
     MixedPrecisionPolicy's compute dtype and the engine's torch.autocast (none for fp32);
     `fsdp_config.dtype` is read by the Megatron engine only. auto: float32 unless bf16 is native here
-    (opd_patches/backends/cpu_platform.py). The colocated teacher and the hf rollout compute in float32
+    (opd_patches/platforms/cpu.py). The colocated teacher and the hf rollout compute in float32
     on the CPU whatever this says. Says once which dtype and why."""
     if str(config.trainer.device) != "cpu":
         return
     import torch
     from verl.utils.torch_dtypes import PrecisionType
 
-    from opd_patches.backends import cpu_platform
+    from opd_patches.platforms import cpu as cpu_platform
 
     choice = config.opd.get("cpu_dtype", "auto")
     try:
@@ -302,9 +302,9 @@ def configure_ray(config: DictConfig, run_dir: Path) -> None:
     """Environment for every Ray process; logical GPUs on the CPU platform."""
     modules = ["opd_patches.registered"]  # its import calls opd_patches.register()
     if config.opd.teacher_placement == "colocated":
-        modules.append("opd_patches.teacher.trainer")  # registers the trainer mode "colocated_teacher"
+        modules.append("opd_patches.trainers.colocated_teacher")  # registers the trainer mode "colocated_teacher"
     else:
-        modules.append("opd_patches.ops.trainer")  # registers the trainer mode "opd_sync"
+        modules.append("opd_patches.trainers.opd_sync")  # registers the trainer mode "opd_sync"
     env = {
         "VERL_USE_EXTERNAL_MODULES": ",".join(modules),
         "VERL_FILE_LOGGER_PATH": str(run_dir / "metrics.jsonl"),
@@ -342,7 +342,7 @@ def configure_ray(config: DictConfig, run_dir: Path) -> None:
         if not isinstance(fast, bool):
             raise ConfigError(f"opd.fast_logprobs={fast!r}: use true, false or null (the built-in default).")
         env["OPD_FAST_LOGPROBS"] = "1" if fast else "0"
-    from opd_patches.bench import profile_update
+    from opd_patches.hooks import profile_update
 
     try:
         profile = profile_update.spec((config.opd.get("debug") or {}).get("profile_update"), run_dir)
@@ -451,7 +451,7 @@ def run(config: DictConfig) -> None:
     # refusal or a mistyped path costs no import (VERL pulls in torch and ray: seconds of CPU).
     hold_run_lock(config)
     check_inputs(config)
-    from opd_patches.inputs.resources import check_resources
+    from opd_patches.checks.resources import check_resources
 
     check_resources(config)  # disk for the kept states, host memory for the pinned and parked copies
     from verl.trainer.main_ppo import TaskRunnerV1, run_ppo
@@ -463,7 +463,7 @@ def run(config: DictConfig) -> None:
     auto_set_device(config)
     validate_config(config=config, use_reference_policy=need_reference_policy(config), use_critic=need_critic(config))
     print(f"[opd] run folder: {run_dir}", flush=True)
-    from opd_patches.ops import summary
+    from opd_patches.ops import run_summary as summary
 
     try:
         run_ppo(config, task_runner_class=TaskRunnerV1)
@@ -504,7 +504,7 @@ def main(config: DictConfig) -> None:
     except ConfigError as exc:
         print(f"[opd] config error: {exc}", file=sys.stderr, flush=True)
         sys.exit(2)
-    except InputError as exc:  # a data file or model folder that cannot work (opd_patches/inputs)
+    except InputError as exc:  # a data file or model folder that cannot work (opd_patches/checks)
         print(f"[opd] refused: {exc}", file=sys.stderr, flush=True)
         sys.exit(2)
     except lock.BUSY as exc:  # another run or GPU process: exit 75 (try again later)

@@ -26,7 +26,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")  # see the docstring: oversubscrip
 os.environ["VERL_USE_EXTERNAL_MODULES"] = "opd_patches.registered"
 # As run.sh on a machine without a GPU. VERL fixes its platform when its trainer or engines are first
 # imported: set here, once, before any test module is imported (no test module sets it; one importing
-# opd_patches.ops.trainer at collection would otherwise fix VERL on cuda for the rest of the session).
+# opd_patches.trainers.opd_sync at collection would otherwise fix VERL on cuda for the rest of the session).
 os.environ["VERL_PLATFORM"] = "cpu"
 
 
@@ -140,9 +140,9 @@ def sharpened(src, out, seed):
 
 
 def smoke_cli(recipes, *overrides, timeout=600):
-    """`python -m opd_patches.smoke` (what `make smoke` runs) for `recipes`, into the run's folder."""
+    """`python -m tools.smoke` (what `make smoke` runs) for `recipes`, into the run's folder."""
     def spec(out):
-        return Spec(argv=[sys.executable, "-m", "opd_patches.smoke", "--recipes", *recipes, "--out", str(out),
+        return Spec(argv=[sys.executable, "-m", "tools.smoke", "--recipes", *recipes, "--out", str(out),
                           "--timeout", str(timeout), *overrides],  # overrides after an option: not recipes
                     timeout=timeout * len(recipes) + 300)
     return spec

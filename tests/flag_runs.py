@@ -60,13 +60,13 @@ def bench_step_spec(base: Path) -> Spec:
     paths on beside `upstream_paths` (test_lean_topk.py, test_sampled_logprob.py). At SIZE=cpu the bench
     runs the embedded models with the smoke overlay, as the smoke run does; its runs are
     <base>/work/<recipe>/run_<recipe>/."""
-    from opd_patches.bench import results
+    from tools.bench import results
 
     def prepare(base):
         earlier = {"steps": [], "rollout": "hf", "steps_done": 0, "steps_requested": 1}
         results.merge(base / "bench.json", "step", {"size": "cpu", "recipes": {"topk": earlier}})
 
-    return Spec(argv=[sys.executable, "-m", "opd_patches.bench", "--phase", "step", "--size", "cpu",
+    return Spec(argv=[sys.executable, "-m", "tools.bench", "--phase", "step", "--size", "cpu",
                       "--out", str(base / "bench.json"), "--recipe", *BENCH_RECIPES, "--gpus", "0", "1", "--steps", "2",
                       "--override", "opd.skip_old_log_prob=false", "--rollout", "hf", "--workdir", str(base / "work"),
                       "--timeout", "600"],

@@ -18,9 +18,9 @@ import sys
 ENVS = {
     "none": {},
     "registered": {"VERL_USE_EXTERNAL_MODULES": "opd_patches.registered"},
-    "colocated": {"VERL_USE_EXTERNAL_MODULES": "opd_patches.registered,opd_patches.teacher.trainer",
+    "colocated": {"VERL_USE_EXTERNAL_MODULES": "opd_patches.registered,opd_patches.trainers.colocated_teacher",
                   "OPD_ENTROPY_DETACHED": "1"},
-    "standalone": {"VERL_USE_EXTERNAL_MODULES": "opd_patches.registered,opd_patches.ops.trainer"},
+    "standalone": {"VERL_USE_EXTERNAL_MODULES": "opd_patches.registered,opd_patches.trainers.opd_sync"},
 }
 REGISTRATION = ("platform_cpu", "replica_hf", "rollout_hf", "topk_patch", "gloo_patch")
 
@@ -52,7 +52,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 from verl.trainer.ppo.v1.trainer_base import TRAINER_REGISTRY
 modes = {k: TRAINER_REGISTRY[k] for k in ("opd_sync", "colocated_teacher") if k in TRAINER_REGISTRY}
-from opd_patches.ops.trainer import OpsTrainerMixin  # registers opd_sync itself: read the registry first
+from opd_patches.trainers.opd_sync import OpsTrainerMixin  # registers opd_sync itself: read the registry first
 
 facts["logprobs_patched"] = getattr(F.logprobs_from_logits_v2, "_opd_patched", False)
 facts["torch_varlen"] = ["torch_varlen" in AttentionInterface._global_mapping,

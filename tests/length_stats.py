@@ -1,4 +1,4 @@
-"""Expectations of a length profile (opd_patches/bench/lengths.py) from its own parameters, and the sampling
+"""Expectations of a length profile (opd_patches/hooks/lengths.py) from its own parameters, and the sampling
 error of n draws: what tests compare drawn lengths with (no figure copied from a docstring).
 
 A draw is round(L) clipped to [1, cap], L log-normal with the profile's median m and sigma s:
@@ -8,7 +8,7 @@ P(L > x) = 1 - Phi(ln(x / m) / s).
 import math
 from statistics import NormalDist, fmean, pstdev
 
-from opd_patches.bench import lengths
+from opd_patches.hooks import lengths
 
 SE_BOUND = 4  # standard errors; the draws are deterministic (sha256 of their keys), so this never flakes
 

@@ -17,7 +17,7 @@ from verl.workers.rollout import llm_server
 from verl.workers.rollout.replica import TokenOutput
 
 import composed
-from opd_patches.grader import grade
+from opd_patches.task.grader import grade
 from opd_patches.teacher.agent_loop import (
     ColocatedTeacherAgentLoopWorker,
     InProcessRewardWorker,

@@ -9,8 +9,8 @@ import pytest
 from omegaconf import OmegaConf
 
 from flag_runs import BENCH_RECIPES
-from opd_patches.bench import results
-from opd_patches.bench.run import PHASES
+from tools.bench import results
+from tools.bench.run import PHASES
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -27,14 +27,14 @@ def test_merge_keeps_other_phases_and_is_atomic(tmp_path):
 
 def test_phase_registry_names_the_three_phases_or_explains():
     assert {"kernels", "teacher"} <= set(PHASES)
-    proc = subprocess.run([sys.executable, "-m", "opd_patches.bench", "--phase", "nope", "--size", "cpu"],
+    proc = subprocess.run([sys.executable, "-m", "tools.bench", "--phase", "nope", "--size", "cpu"],
                           cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0 and "PHASES" in proc.stderr
 
 
 def test_kernels_phase_at_cpu_size_writes_valid_json(tmp_path, capsys):
-    """`python -m opd_patches.bench` is `run.main` (its command line: the phase-registry test above)."""
-    from opd_patches.bench import run
+    """`python -m tools.bench` is `run.main` (its command line: the phase-registry test above)."""
+    from tools.bench import run
 
     out = tmp_path / "bench.json"
     results.merge(out, "teacher", {"size": "cpu", "rows": []})
@@ -55,7 +55,7 @@ def test_save_phase_at_cpu_size_restores_and_builds_the_export(tmp_path):
     """`make bench PHASE=save SIZE=cpu`: upstream's save against the background one (restored exactly by
     upstream's load) and the HF export inside the save against the one the finish builds (same tensors)."""
     out = tmp_path / "bench.json"
-    proc = subprocess.run([sys.executable, "-m", "opd_patches.bench", "--phase", "save", "--size", "cpu", "--out",
+    proc = subprocess.run([sys.executable, "-m", "tools.bench", "--phase", "save", "--size", "cpu", "--out",
                            str(out), "--workdir", str(tmp_path / "work")], cwd=REPO, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -73,7 +73,7 @@ def test_lastsave_phase_at_cpu_size_times_the_whole_last_save(tmp_path):
     """`make bench PHASE=lastsave SIZE=cpu`: upstream's save and the finish (export built, validated, hashed,
     receipt), a first round then each variant of the validating child, each export validated again idle."""
     out = tmp_path / "bench.json"
-    proc = subprocess.run([sys.executable, "-m", "opd_patches.bench", "--phase", "lastsave", "--size", "cpu", "--out",
+    proc = subprocess.run([sys.executable, "-m", "tools.bench", "--phase", "lastsave", "--size", "cpu", "--out",
                            str(out), "--workdir", str(tmp_path / "work"), "--rounds", "2", "--lead-s", "0"], cwd=REPO,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -91,7 +91,7 @@ def test_lastsave_phase_at_cpu_size_times_the_whole_last_save(tmp_path):
 
 
 def test_cpu_kernels_script_writes_json(tmp_path, capsys):
-    from opd_patches.bench import cpu_kernels
+    from tools.bench import cpu_kernels
 
     out = tmp_path / "cpu.json"
     assert cpu_kernels.main(["--out", str(out), "--tokens", "64", "--vocab", "512", "--repeats", "1", "--variants",
@@ -107,8 +107,8 @@ def test_layout_phase_packed_and_padded_compute_the_batched_function():
     from dataclasses import replace
     from types import SimpleNamespace
 
-    from opd_patches.bench.layout import run_phase
-    from opd_patches.bench.sizes import SIZES
+    from tools.bench.layout import run_phase
+    from tools.bench.sizes import SIZES
 
     entry = run_phase(replace(SIZES["cpu"], repeats=1), SimpleNamespace())  # the values, not the timings
     rows = {r["name"]: r for r in entry["rows"]}

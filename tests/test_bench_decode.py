@@ -2,7 +2,7 @@
 
 import pytest
 
-from opd_patches.bench import decode, run
+from tools.bench import decode, run
 
 
 def test_train_rate_over_the_window_and_after_warm_up():
@@ -19,7 +19,7 @@ def test_decode_is_a_registered_phase_with_its_arguments(tmp_path, monkeypatch):
         seen.update(batches=args.batches, tokens=args.tokens, shares=args.train_shares, share_batches=args.share_batches)
         return {"size": size.name, "rows": []}
 
-    assert run.PHASES["decode"] == "opd_patches.bench.decode:run_phase"
+    assert run.PHASES["decode"] == "tools.bench.decode:run_phase"
     monkeypatch.setitem(run.PHASES, "decode", f"{__name__}:_fake")
     globals()["_fake"] = fake_phase
     out = tmp_path / "b.json"

@@ -1,12 +1,12 @@
 """The kernels bench's `update/floor` row: the plain-PyTorch update with an AdamW step (fused on CUDA),
-at a tiny CPU size, next to the rows of the real paths (opd_patches/bench/kernels.py)."""
+at a tiny CPU size, next to the rows of the real paths (tools/bench/kernels.py)."""
 
 import dataclasses
 
 import torch
 
-from opd_patches.bench import kernels
-from opd_patches.bench.sizes import SIZES
+from tools.bench import kernels
+from tools.bench.sizes import SIZES
 
 
 def test_update_rows_end_with_the_floor(monkeypatch):

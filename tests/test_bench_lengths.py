@@ -1,4 +1,4 @@
-"""Length profiles of `make bench PHASE=step LENGTHS=...` (opd_patches/bench/lengths.py): the documented fit,
+"""Length profiles of `make bench PHASE=step LENGTHS=...` (opd_patches/hooks/lengths.py): the documented fit,
 deterministic draws, refusals, and a real bench run whose rollout generates exactly the lengths asked for."""
 
 import json
@@ -12,7 +12,7 @@ import pytest
 from background import Spec, shared_run
 from omegaconf import OmegaConf
 
-from opd_patches.bench import lengths
+from opd_patches.hooks import lengths
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -56,7 +56,7 @@ def test_schedules_and_refusals():
 def test_bench_refuses_a_bad_profile_before_anything_starts(tmp_path):
     import subprocess
 
-    proc = subprocess.run([sys.executable, "-m", "opd_patches.bench", "--phase", "step", "--size", "cpu", "--lengths",
+    proc = subprocess.run([sys.executable, "-m", "tools.bench", "--phase", "step", "--size", "cpu", "--lengths",
                            "lognormal:-3:1", "--out", str(tmp_path / "b.json"), "--workdir", str(tmp_path)],
                           capture_output=True, text=True, cwd=REPO, timeout=300)
     assert proc.returncode != 0 and "--lengths (LENGTHS=)" in proc.stderr and "MEDIAN > 0" in proc.stderr, proc.stderr
@@ -78,7 +78,7 @@ PROFILE = "cap@1,lognormal:10:0.6"
 
 
 def _lengths_spec(out: Path) -> Spec:
-    return Spec(argv=[sys.executable, "-m", "opd_patches.bench", "--phase", "step", "--size", "cpu", "--recipe", "k1",
+    return Spec(argv=[sys.executable, "-m", "tools.bench", "--phase", "step", "--size", "cpu", "--recipe", "k1",
                       "--steps", "2", "--save-after", "0", "--rollout", "hf", "--lengths", PROFILE,
                       "--out", str(out / "bench.json"), "--workdir", str(out / "work"), "--timeout", "600"], timeout=900)
 

@@ -1,9 +1,9 @@
-"""The overlap model (opd_patches/bench/overlap_bound.py): hand-computed cases and its bounds."""
+"""The overlap model (tools/bench/overlap_bound.py): hand-computed cases and its bounds."""
 
 import length_stats
 import pytest
 
-from opd_patches.bench import overlap_bound as ob
+from tools.bench import overlap_bound as ob
 
 
 def test_a_hand_computed_step():

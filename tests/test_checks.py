@@ -6,7 +6,8 @@ import shutil
 import pytest
 
 import opd_patches  # noqa: F401  (registers forward_kl_topk_tail, which the error lists)
-from opd_patches import compat, main
+from opd_patches import main
+from opd_patches.checks import compat
 
 from composed import compose_recipe
 

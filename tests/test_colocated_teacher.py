@@ -27,7 +27,8 @@ from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 import composed
 from fresh_verl import facts
 from model_refs import fake_vllm_output, sharp_path_fixture, upstream_extractor
-from opd_patches.teacher import scoring, trainer  # noqa: F401  (trainer: registers "colocated_teacher")
+from opd_patches.teacher import scoring
+from opd_patches.trainers import colocated_teacher  # noqa: F401  (registers "colocated_teacher")
 from opd_patches.teacher.agent_loop import ColocatedTeacherAgentLoopManager, without_teacher_server
 from opd_patches.teacher.worker import ColocatedTeacher, ColocatedTeacherWorker
 

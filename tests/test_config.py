@@ -141,13 +141,13 @@ def test_colocated_placement_selects_the_colocated_teacher(recipe, tmp_path, mon
     main.configure_ray(c, tmp_path)
     ray_init = c.ray_kwargs.ray_init
     assert ray_init.num_gpus == 1  # the student's GPU only
-    assert ray_init.runtime_env.env_vars.VERL_USE_EXTERNAL_MODULES == "opd_patches.registered,opd_patches.teacher.trainer"
+    assert ray_init.runtime_env.env_vars.VERL_USE_EXTERNAL_MODULES == "opd_patches.registered,opd_patches.trainers.colocated_teacher"
 
 
 def test_missing_inputs_are_reported_by_key(tmp_path, embedded):
     """opd_patches.main.check_inputs names the key of a missing model or data file (the checks themselves:
     tests/test_inputs.py)."""
-    from opd_patches.inputs import InputError
+    from opd_patches.checks import InputError
 
     c = compose_recipe("k1")
     with pytest.raises(InputError, match=r"actor_rollout_ref\.model\.path=/models/student"):

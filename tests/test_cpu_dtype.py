@@ -19,7 +19,7 @@ import pytest
 import torch
 from dist_group import single_rank_gloo
 
-from opd_patches.backends import cpu_platform
+from opd_patches.platforms import cpu as cpu_platform
 
 import composed
 
@@ -54,7 +54,7 @@ def process_group(tmp_path_factory):
     previous = platform_manager._current_platform
     threads = torch.get_num_threads()
     with pytest.MonkeyPatch.context() as mp:
-        # As opd_patches/backends/cpu_platform.py sets it in a run: VERL registers its FSDP engine under cuda.
+        # As opd_patches/platforms/cpu.py sets it in a run: VERL registers its FSDP engine under cuda.
         mp.setenv("VERL_ENGINE_DEVICE", "cuda")
         platform_manager._current_platform = cpu_platform.PlatformCPU()
         torch.set_num_threads(int(os.environ.get("OPD_TEST_THREADS") or 1))
@@ -160,7 +160,7 @@ def test_explicit_choice_and_conflicts(monkeypatch):
 def test_auto_is_float32_when_onednn_is_capped_below_bf16():
     """A CPU without native bf16, as far as torch can tell: oneDNN capped at AVX2 (bf16 matmuls then take
     torch's slow fallback, whatever the hardware)."""
-    code = ("from opd_patches.backends import cpu_platform; "
+    code = ("from opd_patches.platforms import cpu as cpu_platform; "
             "print(*cpu_platform.compute_dtype('auto'), sep='|')")
     env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)

@@ -13,7 +13,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from opd_patches import prompt
+from opd_patches.task import prompt
 from opd_patches.data import text
 from opd_patches.data.decontaminate import NGRAM, THRESHOLD, EvalIndex
 from opd_patches.data.prepare import prepare

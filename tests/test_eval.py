@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from background import Spec, shared_run
-from opd_patches import prompt
+from opd_patches.task import prompt
 from opd_patches.eval import compare, harness, plot, summary, suites
 from opd_patches.eval.verifier import apply_verdict, build_prompt, parse_verdict
 from real_problems import DATA, missing

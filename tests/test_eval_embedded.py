@@ -12,7 +12,7 @@ import shutil
 
 import pytest
 
-from opd_patches import prompt
+from opd_patches.task import prompt
 from opd_patches.eval import cli, suites
 
 PNG = b"\x89PNG\r\n\x1a\n"

@@ -60,7 +60,7 @@ def test_kv_bytes_match_what_the_model_allocates(embedded):
 def test_too_little_free_memory_is_refused_naming_free_needed_and_holders(embedded, monkeypatch):
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     needed = gm.needed_bytes(str(embedded["student"]), 4096)
-    holders = [gm.Holder(4242, "python -m opd_patches.bench", int(70 * GIB))]
+    holders = [gm.Holder(4242, "python -m tools.bench", int(70 * GIB))]
     free = needed + gm.ENGINE_CONTEXT - 1
     reading = gm.Reading(0, free, H100, holders)
     with pytest.raises(gm.NotEnoughGPUMemory) as err:
@@ -68,7 +68,7 @@ def test_too_little_free_memory_is_refused_naming_free_needed_and_holders(embedd
     line = str(err.value)
     assert "\n" not in line
     assert f"{free / GIB:.1f} GiB free" in line and f"{needed / GIB:.1f} GiB needed" in line
-    assert "pid 4242 70.0 GiB (python -m opd_patches.bench)" in line and "--gpu-memory-utilization" in line
+    assert "pid 4242 70.0 GiB (python -m tools.bench)" in line and "--gpu-memory-utilization" in line
     share, how = gm.engine_share(str(embedded["student"]), 4096,
                                  reader=lambda d: gm.Reading(0, free + 2, H100, holders))
     assert 0 < share < gm.DEFAULT_SHARE and "free at start" in how

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from opd_patches import grader, reward
-from opd_patches.grader import grade
+from opd_patches.task import grader, reward
+from opd_patches.task.grader import grade
 from real_problems import DATA, missing
 
 REPO = Path(__file__).resolve().parents[1]
@@ -173,7 +173,7 @@ def test_the_fact_comes_from_the_chat_template(embedded, tmp_path):
     (`prompt.opens_thought`); an R1-style template (ChatML + `<think>` after the assistant header) vs ChatML."""
     from transformers import AutoTokenizer
 
-    from opd_patches import prompt
+    from opd_patches.task import prompt
 
     chatml = AutoTokenizer.from_pretrained(embedded["tokenizer"])
     r1 = AutoTokenizer.from_pretrained(embedded["tokenizer"])
@@ -306,7 +306,7 @@ def test_compute_score_any_data_source(data_source):
     assert none == {"score": 0.0, "acc": False, "pred": "", "unfinished_thought": False}
 
 
-RECOMMENDED = ["reward.custom_reward_function.path=pkg://opd_patches.reward",
+RECOMMENDED = ["reward.custom_reward_function.path=pkg://opd_patches.task.reward",
                "reward.custom_reward_function.name=compute_score"]
 
 
@@ -318,7 +318,7 @@ def compose_k1(model, *overrides):
 
 @pytest.mark.parametrize(
     "overrides",
-    [RECOMMENDED, [f"reward.custom_reward_function.path={REPO / 'opd_patches' / 'reward.py'}"]],
+    [RECOMMENDED, [f"reward.custom_reward_function.path={REPO / 'opd_patches' / 'task' / 'reward.py'}"]],
     ids=["pkg", "file"],
 )
 def test_verl_loader_accepts_the_recipe_keys(overrides, embedded):

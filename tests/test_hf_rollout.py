@@ -1,4 +1,4 @@
-"""The `hf` rollout backend (opd_patches/backends/hf_rollout.py), on CPU with the tiny embedded models.
+"""The `hf` rollout backend (opd_patches/rollout/hf.py), on CPU with the tiny embedded models.
 
 Every expectation is computed independently of the code under test: from a plain full forward
 pass (`model(ids).logits`), from an argmax loop without KV cache, from `model.generate`, or from
@@ -21,7 +21,7 @@ from transformers import AutoModelForCausalLM
 from verl.utils.device import get_device_name
 from verl.workers.config import RolloutConfig
 
-from opd_patches.backends import hf_rollout as hr
+from opd_patches.rollout import hf as hr
 
 from model_refs import fake_vllm_output, sharp_path_fixture, upstream_extractor
 

@@ -1,4 +1,4 @@
-"""Bad inputs are refused at the door (opd_patches/inputs): each bad file is built here, the refusal must
+"""Bad inputs are refused at the door (opd_patches/checks): each bad file is built here, the refusal must
 name the file (and row and column), and the launches exit 2 with no traceback and no Ray started.
 
 The checks themselves are called in this process (fast); three real `run.sh` launches prove the contract
@@ -13,9 +13,9 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from opd_patches.inputs import InputError
-from opd_patches.inputs.data import check_eval_jsonl, check_rl_parquet
-from opd_patches.inputs.models import check_model
+from opd_patches.checks import InputError
+from opd_patches.checks.data import check_eval_jsonl, check_rl_parquet
+from opd_patches.checks.models import check_model
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -136,17 +136,17 @@ def test_run_sh_refuses_bad_inputs_before_ray(tmp_path, embedded):
 
 
 def test_make_data_sources_are_checked(tmp_path):
-    from opd_patches.data import prepare
+    from opd_patches.data import files, prepare
 
     src = tmp_path / "raw.jsonl"
     src.write_text('{"problem": "1+1?", "answer": "2"}\n{"problem": "2+2?", "answer": \n')
     assert prepare.main([str(src), "--out", str(tmp_path / "out"), "--no-decontaminate"]) == 2
     with pytest.raises(InputError, match=r"raw.jsonl:2: not a JSON object"):
-        prepare._read(src)
+        files.read_rows(src)
     fake = tmp_path / "raw.parquet"
     fake.write_text("problem,answer\n1+1?,2\n")
     with pytest.raises(InputError, match=r"raw.parquet: not a readable parquet file"):
-        prepare._read(fake)
+        files.read_rows(fake)
 
 
 def test_make_eval_of_a_missing_model_is_refused_and_leaves_nothing(tmp_path, capsys):

@@ -86,7 +86,7 @@ def topk_path(request, monkeypatch):
 def platform():
     from verl.plugin.platform import platform_manager
 
-    from opd_patches.backends.cpu_platform import PlatformCPU
+    from opd_patches.platforms.cpu import PlatformCPU
 
     previous = platform_manager._current_platform
     if previous is None or previous.device_name != "cpu":
@@ -200,7 +200,7 @@ def engine(process_group, setups):
     engine_config.use_fused_kernels = s.model_config.use_fused_kernels
     with pytest.MonkeyPatch.context() as mp:
         # VERL registers its FSDP engine for cuda/npu only; the engine itself asks the platform for its device,
-        # so it is looked up under cuda (as opd_patches/backends/cpu_platform.py arranges for a CPU run).
+        # so it is looked up under cuda (as opd_patches/platforms/cpu.py arranges for a CPU run).
         mp.setenv("VERL_ENGINE_DEVICE", "cuda")
         eng = EngineRegistry.new(
             model_type="language_model",

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from opd_patches.ops.budget import WallClock
-from opd_patches.ops.guard import NonFiniteError, check_metrics, check_tensor
+from opd_patches.ops.nonfinite import NonFiniteError, check_metrics, check_tensor
 
 
 class FakeClock:

@@ -14,7 +14,8 @@ import sys
 
 import pytest
 
-from opd_patches.ops import checkpoints, receipts, summary
+from opd_patches.ops import checkpoints, receipts
+from opd_patches.ops import run_summary as summary
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

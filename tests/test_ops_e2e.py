@@ -32,7 +32,8 @@ import pytest
 
 from background import POOL, Spec, shared_run
 from flag_runs import WALL_S
-from opd_patches.ops import checkpoints, receipts, summary
+from opd_patches.ops import checkpoints, receipts
+from opd_patches.ops import run_summary as summary
 from opd_patches.study.guard import kill_session
 
 REPO = Path(__file__).resolve().parents[1]
@@ -40,7 +41,7 @@ COMMON = [
     "recipe=k1", "+overlay=smoke", "trainer.total_training_steps=5", "trainer.save_freq=1",
     "trainer.max_actor_ckpt_to_keep=2", "trainer.resume_mode=auto", "opd.debug.inject_nan_step=5",
     # Batch-invariant hf rollout: each request generated alone, so a sample's tokens never depend on
-    # which requests arrived together (opd_patches/backends/hf_rollout.py).
+    # which requests arrived together (opd_patches/rollout/hf.py).
     "actor_rollout_ref.rollout.full_determinism=true",
     # A window to kill in: the tiny export is validated by the trainer, its finish alone takes ~0.2 s.
     "opd.debug.finish_hold_s=5",

@@ -10,7 +10,7 @@ import shutil
 
 import pytest
 
-from opd_patches.backends import torch_varlen
+from opd_patches.attention import torch_varlen
 from opd_patches.ops import export, finish, receipts
 
 

@@ -1,4 +1,4 @@
-"""The submission patch (opd_patches/ops/patch.py, `make patch` / `make patch-check`).
+"""The submission patch (tools/patch.py, `make patch` / `make patch-check`).
 
 Runs on a scratch git repository holding a copy of this checkout's working tree (tracked and untracked,
 not ignored), committed as the base: the user's own repository and index are never touched.
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from opd_patches.ops import patch
+from tools import patch
 
 REPO = Path(__file__).resolve().parents[1]
 WHEELS = REPO / "verl_vendor" / "wheels"

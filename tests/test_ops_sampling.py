@@ -13,7 +13,7 @@ import pytest
 import torch
 from verl.workers.config import RolloutConfig
 
-from opd_patches.backends import hf_rollout as hr
+from opd_patches.rollout import hf as hr
 from opd_patches.ops.seeded_sampling import SampleKeys, SeededSampler, sample_seed
 
 from conftest import sharpened

@@ -1,9 +1,9 @@
-"""Both teacher placements get the training-operations mixin (opd_patches/ops/trainer.py)."""
+"""Both teacher placements get the training-operations mixin (opd_patches/trainers/opd_sync.py)."""
 
 import pytest
 
 from opd_patches import main
-from opd_patches.ops.trainer import OpsTrainerMixin
+from opd_patches.trainers.opd_sync import OpsTrainerMixin
 
 from fresh_verl import facts
 from test_config import compose_recipe

@@ -1,4 +1,4 @@
-"""Export validation (opd_patches/validate.py): expected parameter count, dtype, run/state folders, CLI."""
+"""Export validation (opd_patches/ops/validate.py): expected parameter count, dtype, run/state folders, CLI."""
 
 import json
 import shutil
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from opd_patches import validate
+from opd_patches.ops import validate
 from opd_patches.ops import receipts
 
 REPO = Path(__file__).resolve().parents[1]
@@ -76,13 +76,13 @@ def test_resolve_run_and_state_folders(run_dir):
 @pytest.mark.fresh_process
 def test_cli_on_a_run_folder(run_dir, embedded, tmp_path):
     out = tmp_path / "v.json"
-    proc = subprocess.run([sys.executable, "-m", "opd_patches.validate", str(run_dir), "--expected-from",
+    proc = subprocess.run([sys.executable, "-m", "opd_patches.ops.validate", str(run_dir), "--expected-from",
                            str(embedded["student"]), "--json", str(out)], capture_output=True, text=True, cwd=REPO,
                           timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     result = json.loads(out.read_text())
     assert result["valid"] and result["export"].endswith("global_step_2/actor/huggingface")
     (run_dir / "global_step_3" / "actor" / "huggingface" / "generation_config.json").unlink()
-    proc = subprocess.run([sys.executable, "-m", "opd_patches.validate", str(run_dir / "global_step_3"), "--json",
+    proc = subprocess.run([sys.executable, "-m", "opd_patches.ops.validate", str(run_dir / "global_step_3"), "--json",
                            str(out)], capture_output=True, text=True, cwd=REPO, timeout=300)
     assert proc.returncode == 1 and "generation config" in json.loads(out.read_text())["reason"]

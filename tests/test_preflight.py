@@ -1,12 +1,12 @@
-"""The student/teacher pre-flight report (opd_patches/preflight.py) on the embedded tiny models."""
+"""The student/teacher pre-flight report (opd_patches/checks/preflight.py) on the embedded tiny models."""
 
 import json
 import shutil
 
 import pytest
 
-from opd_patches import compat
-from opd_patches.preflight import PreflightError, first_difference, main, run_preflight, step0_warnings
+from opd_patches.checks import compat
+from opd_patches.checks.preflight import PreflightError, first_difference, main, run_preflight, step0_warnings
 
 FAST = {"prompts": 2, "max_new_tokens": 8, "topk": 8, "device": "cpu"}
 FRACTIONS = ("topk_overlap", "shared_mass", "teacher_topk_mass", "student_mass_on_teacher_topk")
@@ -114,7 +114,7 @@ def test_step0_agrees_with_teacher_scoring(embedded):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from opd_patches.preflight import step0_stats
+    from opd_patches.checks.preflight import step0_stats
     from opd_patches.teacher.scoring import score_sequences
 
     student = AutoModelForCausalLM.from_pretrained(embedded["student"]).eval()

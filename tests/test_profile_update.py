@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from opd_patches.bench import profile_update
+from opd_patches.hooks import profile_update
 from opd_patches.main import ConfigError, configure_ray
 from omegaconf import OmegaConf
 

@@ -59,7 +59,7 @@ def test_wrong_verl_version_fails_with_a_clear_message():
 
 def test_importing_the_package_is_cheap():
     """No VERL (nor torch) until something asks for registration; the commands that need neither start fast."""
-    code = ("import sys, opd_patches, opd_patches.eval.__main__, opd_patches.data.__main__, opd_patches.stats\n"
+    code = ("import sys, opd_patches, opd_patches.eval.__main__, opd_patches.data.__main__, opd_patches.eval.stats\n"
             "print(json.dumps({m: m in sys.modules for m in ('verl', 'torch', 'ray')}))")
     out = probe("import json\n" + code, VERL_USE_EXTERNAL_MODULES="opd_patches.registered")
     assert out.returncode == 0, out.stderr

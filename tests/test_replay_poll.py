@@ -1,4 +1,4 @@
-"""opd.replay_poll_s (opd_patches/ops/trainer.py): upstream's sync ReplayBuffer sleeps `poll_interval`
+"""opd.replay_poll_s (opd_patches/trainers/opd_sync.py): upstream's sync ReplayBuffer sleeps `poll_interval`
 (a constructor argument, 2.0 s, that its builder never passes) between looks at TransferQueue. The
 trainer overrides the attribute; this fails loudly when upstream renames or stops reading it."""
 
@@ -12,7 +12,7 @@ from verl.trainer.ppo.v1 import replay_buffer, trainer_base
 
 import opd_patches  # noqa: F401
 
-from opd_patches.ops import trainer as ops_trainer
+from opd_patches.trainers import opd_sync as ops_trainer
 from test_config import compose_recipe
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-SCRIPT = REPO / "opd_patches/ops/wheelhouse.py"
+SCRIPT = REPO / "tools/wheelhouse.py"
 
 # Run as a script by the Makefile; loaded by path here (importing opd_patches would import verl).
 _spec = importlib.util.spec_from_file_location("wheelhouse", SCRIPT)

@@ -1,4 +1,4 @@
-"""The launch's disk and host-memory pre-flight (opd_patches/inputs/resources.py): its sizes against references
+"""The launch's disk and host-memory pre-flight (opd_patches/checks/resources.py): its sizes against references
 built independently (a published parameter count, models built with transformers, a state written with
 torch.save), refusals on the real filesystem and memory of this machine, the keys the messages name."""
 
@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from opd_patches.embedded import r1_arch
-from opd_patches.inputs import InputError
-from opd_patches.inputs import resources
+from opd_patches.checks import InputError
+from opd_patches.checks import resources
 from opd_patches.ops import receipts
 
 from composed import compose_recipe

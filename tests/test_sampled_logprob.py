@@ -213,7 +213,7 @@ def test_a_fresh_process_gets_the_patch_through_the_env_var():
 
 
 def test_microbench_runs_at_a_tiny_size(tmp_path, capsys):
-    from opd_patches.bench import logprob
+    from tools.bench import logprob
 
     out = tmp_path / "logprob.json"
     assert logprob.main(["--tokens", "96", "--vocab", "257", "--repeats", "1", "--out", str(out)]) == 0

@@ -41,7 +41,7 @@ def test_recipe_validates_on_two_nodes_of_eight(recipe, tmp_path):
         mp.delenv("VERL_PLATFORM", raising=False)  # a GPU launch: Ray counts the nodes' real GPUs
         main.configure_ray(config, tmp_path)
     env = config.ray_kwargs.ray_init.runtime_env.env_vars
-    assert "opd_patches.teacher.trainer" in env["VERL_USE_EXTERNAL_MODULES"].split(",")
+    assert "opd_patches.trainers.colocated_teacher" in env["VERL_USE_EXTERNAL_MODULES"].split(",")
     assert env["VERL_FILE_LOGGER_PATH"] == str(tmp_path / "metrics.jsonl")
     assert OmegaConf.select(config, "ray_kwargs.ray_init.num_gpus") is None  # a cluster brings its own GPUs
 

@@ -1,4 +1,4 @@
-"""End to end: `python -m opd_patches.smoke` (what `make smoke` runs) on the embedded default.
+"""End to end: `python -m tools.smoke` (what `make smoke` runs) on the embedded default.
 
 One session-scoped run of the three recipes (conftest.smoke, about 80 s each on 2 cores) is shared by
 every test here and by the colocated-teacher tests; the task-reward run uses the standalone teacher,
@@ -106,7 +106,7 @@ def mixed(smoke_mixed):
 def test_task_reward_mixing_scales_the_distillation_loss(mixed):
     manifest = json.loads((mixed / "topk_tail" / "manifest.json").read_text())
     assert manifest["config"]["trainer"]["v1"]["trainer_mode"] == "opd_sync"  # standalone: sync + ops mixin
-    assert manifest["config"]["reward"]["custom_reward_function"]["path"] == "pkg://opd_patches.reward"
+    assert manifest["config"]["reward"]["custom_reward_function"]["path"] == "pkg://opd_patches.task.reward"
     rows = [json.loads(line)["data"] for line in (mixed / "topk_tail" / "metrics.jsonl").read_text().splitlines()]
     for r in rows:
         assert "critic/score/mean" in r and "actor/pg_loss" in r  # the reward and policy-gradient path ran

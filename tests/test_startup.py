@@ -12,7 +12,8 @@ from test_preflight import _composed  # the topk recipe on the embedded models, 
 def test_prepare_loads_each_tokenizer_once(embedded, tmp_path, monkeypatch, mode):
     from transformers import AutoTokenizer
 
-    from opd_patches import compat, main
+    from opd_patches import main
+    from opd_patches.checks import compat
 
     compat.load_tokenizer.cache_clear()  # an earlier test in this process may have loaded them already
     loads = Counter()

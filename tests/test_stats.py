@@ -1,18 +1,10 @@
-"""opd_patches.stats: pass@1 with clustered SE, paired comparisons, seed aggregation (hand-computed cases).
+"""opd_patches.eval.stats: pass@1 with clustered SE, paired comparisons, seed aggregation (hand-computed cases)."""
 
-The module is loaded by file path: importing the `opd_patches` package pulls in VERL (seconds).
-"""
-
-import importlib.util
 import math
-from pathlib import Path
 
 import pytest
 
-_PATH = Path(__file__).resolve().parents[1] / "opd_patches" / "stats.py"
-_spec = importlib.util.spec_from_file_location("opd_stats_under_test", _PATH)
-stats = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(stats)
+from opd_patches.eval import stats
 
 # Hand-worked example: 3 questions, different sample counts.
 A = {"q1": [1, 1, 0, 0], "q2": [1, 1, 1, 1], "q3": [0, 0]}  # per-question means 0.5, 1.0, 0.0

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from opd_patches.ops import receipts
-from opd_patches.ops import summary as run_summary
+from opd_patches.ops import run_summary
 from opd_patches.study import evaluate, report, runner
 from opd_patches.study.progress import RunProgress, read_steps
 from opd_patches.study.spec import SEED_KEYS, Arm, Spec, SpecError, load

@@ -130,7 +130,7 @@ def test_a_temporary_swap_is_recorded_once_and_undone():
     with pytest.raises(RuntimeError, match="already patched by fsdp_save_checkpoint"):
         registry.apply("opd_patches.patches.rollout_registry", module, "torch", lambda original: "other")
     with pytest.raises(ValueError, match="its own file of opd_patches/patches/"):
-        registry.apply("opd_patches.ops.trainer", module, "other", lambda original: "x")
+        registry.apply("opd_patches.trainers.opd_sync", module, "other", lambda original: "x")
     registry.revert(record)
 
 
@@ -147,8 +147,8 @@ PUBLIC_HOOKS = {
     "transformers.masking_utils.AttentionMaskInterface._global_mapping": "AttentionMaskInterface.register",
 }
 # What a Ray worker of a run imports besides the registration (trainer modes, agent loop, rollout backend).
-RUNTIME = ["opd_patches.ops.trainer", "opd_patches.teacher.trainer", "opd_patches.teacher.agent_loop",
-           "opd_patches.backends.hf_rollout"]
+RUNTIME = ["opd_patches.trainers.opd_sync", "opd_patches.trainers.colocated_teacher", "opd_patches.teacher.agent_loop",
+           "opd_patches.rollout.hf"]
 BASELINE = sorted({u.module for _, u in DECLARED} | {
     "verl.trainer.ppo.v1.trainer_sync", "verl.trainer.ppo.v1.agent_loop_tq", "verl.workers.rollout.replica",
     "verl.workers.rollout.llm_server", "verl.experimental.reward_loop.reward_loop", "verl.plugin.platform",
@@ -488,7 +488,7 @@ def test_patched_topk_validation_accepts_hf_only():
 
 def test_rollout_class_registry_is_still_the_private_dict():
     assert isinstance(rollout_base._ROLLOUT_REGISTRY, dict) and ("vllm", "async") in rollout_base._ROLLOUT_REGISTRY
-    from opd_patches.backends.hf_rollout import HFServerAdapter
+    from opd_patches.rollout.hf import HFServerAdapter
 
     assert rollout_base.get_rollout_class("hf", "async") is HFServerAdapter
 

@@ -1,4 +1,4 @@
-"""`torch_varlen` (opd_patches/backends/torch_varlen.py): packed sequences attend exactly as each sequence
+"""`torch_varlen` (opd_patches/attention/torch_varlen.py): packed sequences attend exactly as each sequence
 alone under causal attention, forward and backward, on the CPU fallback and through the varlen kernel's
 dispatch (stand-ins of torch 2.11's signature and of the later `enable_gqa` one, computing with sdpa);
 boundaries from position_ids; the auto choice; a tiny Qwen2 through transformers' registries.
@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from fresh_verl import facts
-from opd_patches.backends import torch_varlen as tv
+from opd_patches.attention import torch_varlen as tv
 
 H, HKV, D = 4, 2, 8  # GQA, as R1-Distill-1.5B's 12 / 2
 LENGTHS = [5, 1, 7, 1, 3]

@@ -64,9 +64,9 @@ def _hub_rows(source: str) -> list[dict]:
 def _rows(source: str) -> list[dict]:
     path = Path(source).expanduser()
     if path.is_file():
-        from opd_patches.data.prepare import _read
+        from opd_patches.data.files import read_rows
 
-        return _read(path)
+        return read_rows(path)
     if "+" in source:
         return [row for part in source.split("+") for row in _rows(part)]
     if path.suffix in (".parquet", ".jsonl", ".json"):

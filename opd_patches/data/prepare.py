@@ -17,7 +17,7 @@ evaluation problem, rule and threshold in `opd_patches.data.decontaminate`), the
 `train` and, with `--val-size N`, `val` (N random rows, seed `--seed`).
 
 Output rows (VERL's RL parquet schema, as the embedded data): `data_source` (the row's own, else
-`--data-source`), `prompt` = `opd_patches.prompt.messages(problem)` (the template evaluation uses),
+`--data-source`), `prompt` = `opd_patches.task.prompt.messages(problem)` (the template evaluation uses),
 `ability` "math", `reward_model` {"style": "rule", "ground_truth": answer}, `extra_info` {"split",
 "index", "question", "answer", "source", "source_row", plus the source's own extra_info keys}.
 Written: `<out>/train.parquet` [`<out>/val.parquet`] and `<out>/data_report.json` (stage counts, the
@@ -39,8 +39,9 @@ import sys
 import time
 from pathlib import Path
 
-from opd_patches import prompt as prompt_template
+from opd_patches.task import prompt as prompt_template
 from opd_patches.data.decontaminate import NGRAM, THRESHOLD, EvalIndex, read_eval_problems
+from opd_patches.data.files import must_exist, read_rows
 from opd_patches.data.text import key
 
 DEFAULT_OUT = Path.home() / "data" / "dapo-math"  # run.sh's TRAIN_FILES default lives here
@@ -50,42 +51,6 @@ _DAPO_PREFIX_RE = re.compile(
     r"form Answer: \$Answer \(without quotes\) where \$Answer is the answer to the problem\.\s*"
 )
 _DAPO_SUFFIX_RE = re.compile(r"\s*Remember to put your answer on its own line after \"Answer:\"\.?\s*$")
-
-
-def _exists(path: Path) -> None:
-    if not path.exists():
-        raise FileNotFoundError(f"source {path} does not exist (SRC= takes .parquet, .jsonl or .json files)")
-
-
-def _read(path: Path) -> list[dict]:
-    import pandas as pd
-    import pyarrow as pa
-
-    from opd_patches.inputs import InputError
-
-    _exists(path)
-    if path.suffix == ".parquet":
-        try:
-            return pd.read_parquet(path).to_dict("records")
-        except (pa.ArrowInvalid, OSError) as exc:
-            raise InputError(f"source {path}: not a readable parquet file ({str(exc).splitlines()[0]}); "
-                             "a .jsonl or .json source is read as such") from None
-    if path.suffix == ".jsonl":
-        rows = []
-        for i, line in enumerate(path.read_text().splitlines()):
-            if line.strip():
-                try:
-                    rows.append(json.loads(line))
-                except ValueError as exc:
-                    raise InputError(f"source {path}:{i + 1}: not a JSON object ({exc})") from None
-        return rows
-    if path.suffix == ".json":
-        try:
-            data = json.loads(path.read_text())
-        except ValueError as exc:
-            raise InputError(f"source {path}: not valid JSON ({exc})") from None
-        return data if isinstance(data, list) else data["data"]
-    raise ValueError(f"source {path}: unknown format {path.suffix!r} (use .parquet, .jsonl or .json)")
 
 
 def _plain(value):
@@ -156,7 +121,7 @@ def prepare(sources, out: Path, eval_sets=None, decontaminate: bool = True, val_
     started = time.time()
     stages, removed = [], {"invalid": 0, "duplicate": 0, "contaminated": []}
     for src in sources:  # every missing input refused before the sources are read
-        _exists(Path(src))
+        must_exist(Path(src))
     if decontaminate:
         paths = [Path(p) for p in eval_sets] if eval_sets else default_eval_sets()
         problems = read_eval_problems(paths)
@@ -167,7 +132,7 @@ def prepare(sources, out: Path, eval_sets=None, decontaminate: bool = True, val_
 
     rows = []
     for src in map(Path, sources):
-        for i, row in enumerate(_read(src)):
+        for i, row in enumerate(read_rows(src)):
             rows.append((src, i, row))
     stage("read", len(rows), f"from {', '.join(map(str, sources))}")
 

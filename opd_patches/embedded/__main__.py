@@ -16,7 +16,7 @@ def main(argv=None) -> None:
     ap.add_argument("--task", choices=TASKS, default="default", help="which asset set (default: the embedded default)")
     args = ap.parse_args(argv)
     if args.task == "addition":
-        from opd_patches.embedded.addition import build
+        from opd_patches.embedded.addition_build import build
     else:
         from opd_patches.embedded.build import build
     build(args.out)

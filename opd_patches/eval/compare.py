@@ -4,7 +4,7 @@
 
 A and B are evaluation folders (holding generations.jsonl) or generations.jsonl files. The questions
 both cover are paired; per question the difference of mean outcomes is taken, its clustered SE and a
-two-sided p-value (Student's t) come from `opd_patches.stats.paired_difference`, whose verdict is
+two-sided p-value (Student's t) come from `opd_patches.eval.stats.paired_difference`, whose verdict is
 printed ("within noise" unless |diff| >= 2 SE and p < 0.05). Several seeds of one model can be pooled
 first by giving a comma-separated list of folders as A or B (`stats.aggregate_seeds`).
 """
@@ -16,7 +16,7 @@ import json
 import sys
 from pathlib import Path
 
-from opd_patches import stats
+from opd_patches.eval import stats
 from opd_patches.eval.summary import load_records, results
 
 

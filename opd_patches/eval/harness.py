@@ -8,7 +8,7 @@ change what a sample means (model, suite, max_new_tokens, temperature, top_p, se
 change (the summary covers the pairs requested now; other lines stay in the file).
 
 Order of work: (1) generation in chunks of the backend's batch size, each sample rule-graded
-(`opd_patches.grader.grade`) and appended; (2) only with `--verifier`: the evaluated model is released,
+(`opd_patches.task.grader.grade`) and appended; (2) only with `--verifier`: the evaluated model is released,
 the judge model loaded on the same backend, and every sample the rule grader could not decide (and no
 judge has seen) is judged, the file rewritten; (3) `summary.json` and `scores.png`. A progress line
 per chunk gives samples done, tokens/s, the remaining time at that pace and the running accuracy.
@@ -28,11 +28,11 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from opd_patches import prompt as prompt_template
+from opd_patches.task import prompt as prompt_template
 from opd_patches.eval import summary as summary_mod
 from opd_patches.eval.backends import make_backend, sample_seed
 from opd_patches.eval.suites import default_data_dir, load_protocol, load_questions
-from opd_patches.grader import RULE_VERDICTS, grade
+from opd_patches.task.grader import RULE_VERDICTS, grade
 
 VLLM_ASSUMED_TOKENS_PER_S = 10_000.0
 MUST_MATCH = ("model", "suite", "max_new_tokens", "temperature", "top_p", "seed")
@@ -149,7 +149,7 @@ def run(args: dict) -> dict:
             protocol[key] = args[key]
     data_dir = Path(args.get("data_dir") or default_data_dir())
     questions = load_questions(protocol, data_dir, args.get("limit"))
-    from opd_patches.inputs.models import check_model
+    from opd_patches.checks.models import check_model
 
     check_model(args["model"], "MODEL")  # before anything is written or loaded
     if args.get("teacher_kl"):

@@ -105,7 +105,7 @@ def load_questions(protocol: dict, data_dir: Path, limit: int | None = None) -> 
                 f"suite {protocol['name']}: {path} is missing. Put {{id, problem, answer}} JSONL files "
                 f"({', '.join(protocol['files'])}) in {data_dir}, or point --data-dir / OPD_EVAL_DATA at them"
             )
-        from opd_patches.inputs.data import check_eval_jsonl
+        from opd_patches.checks.data import check_eval_jsonl
 
         for i, row in enumerate(check_eval_jsonl(path)):  # every line a JSON object with problem and answer
             qid = str(row.get("id", f"{path.stem}-{i}"))

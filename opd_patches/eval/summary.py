@@ -5,7 +5,7 @@ A record (one line of `<out>/generations.jsonl`, one sampled answer):
      "unfinished_thought", "extracted", "correct", "grader": "rule"|"verifier", "decided_by", "reason", ...}
 
 `load_records` reads the file and tolerates a cut-off last line (an interrupted run); `results` turns
-records into the `{question_id: [0/1, ...]}` mapping `opd_patches.stats` works on. `summarize` gives:
+records into the `{question_id: [0/1, ...]}` mapping `opd_patches.eval.stats` works on. `summarize` gives:
 pass@1 (each question weighted equally), `se_clustered` (std of per-question means / sqrt(questions):
 THE uncertainty; the naive binomial SE is kept only as a labelled diagnostic), `truncation_rate`
 (samples that hit the token cap / all samples), `n_unfinished_thought` (samples that ended inside a
@@ -22,7 +22,7 @@ from collections import Counter, defaultdict
 from datetime import datetime, timezone
 from pathlib import Path
 
-from opd_patches import stats
+from opd_patches.eval import stats
 
 _STEP_RE = re.compile(r"global_step_(\d+)")
 

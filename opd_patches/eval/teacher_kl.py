@@ -10,7 +10,7 @@ i.e. the reverse KL per response token at the states the student visits, the div
 distillation drives to 0 (K1's per-token advantage is its one-sample estimate; the top-k losses bound a
 forward KL at the same states). Both distributions at temperature 1 from the models' raw logits; the
 positions are the response's tokens up to and including its EOS; prompts are the suite's, rendered as in
-evaluation (opd_patches/prompt.py). Samples: `samples` per question at temperature 1.0, top_p 1.0, drawn
+evaluation (opd_patches/task/prompt.py). Samples: `samples` per question at temperature 1.0, top_p 1.0, drawn
 batch by batch (BATCH sequences) from one generator seeded by the batch's first (question, sample) seed
 (`sample_seed`), as the hf evaluation backend does: reproducible for the same questions and settings. `se_clustered`: the std of the
 per-question means over sqrt(questions), as for pass@1. Both models must share the tokenizer; logits
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 
-from opd_patches import prompt as prompt_template
+from opd_patches.task import prompt as prompt_template
 from opd_patches.eval.backends import sample_seed
 
 BATCH = 64  # sequences per generate/forward call

@@ -1,6 +1,6 @@
 """Optional model-verifier fallback: a judge model asked only when the rule grader cannot decide.
 
-The rule grader (`opd_patches.grader.grade`) decides almost every sample; it cannot when math-verify
+The rule grader (`opd_patches.task.grader.grade`) decides almost every sample; it cannot when math-verify
 fails to parse the answer or the gold (`parse_error`), times out or errors (`GradeResult.decided` is
 False). With `--verifier MODEL` (off by default), evaluation sends exactly those samples to a judge
 model in the style of CompassVerifier (opencompass/CompassVerifier-3B/7B): one user turn holding the

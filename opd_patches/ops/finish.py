@@ -3,13 +3,13 @@
     python -m opd_patches.ops.finish finish --state RUN/global_step_N --step N [--validate] [--build-export]
         [--expected-params P] [--timeout-s T] [--keep K] [--result OUT.json] [--parent-pid PID]
         [--validation-json JSON (done by the trainer)] [--hold-s S (tests)]
-    python -m opd_patches.ops.finish validate EXPORT [opd_patches.validate's options]   (what the CPU child runs)
+    python -m opd_patches.ops.finish validate EXPORT [opd_patches.ops.validate's options]   (what the CPU child runs)
 
 With `opd.background_save: true` (recipes/base.yaml) the trainer starts this as a subprocess right
 after upstream's save and trains on; otherwise it calls `finish()` in-process. Either way the order
 is the same: the end of the state files' background writes (state_writer.py; the model files only, when the
 export is built here), the HF export's weights built from those files (`opd.background_export`, state_export.py), export validation
-(`opd_patches.validate` in a CPU-only child process, started when the finish starts so that its imports run
+(`opd_patches.ops.validate` in a CPU-only child process, started when the finish starts so that its imports run
 beside the writes and the export's build, or for the final step's save by the trainer at that step's beginning;
 the child leaves with os._exit once its answer is written; a tiny export in-process, and before a background
 finish by the trainer itself, so that the finish process imports neither torch nor transformers), the
@@ -71,7 +71,7 @@ TIMES = "[validator times] "  # the child's last line: when it was ready and whe
 
 
 class Validator:
-    """opd_patches.validate in a CPU-only child (never contends with training memory), started before the export
+    """opd_patches.ops.validate in a CPU-only child (never contends with training memory), started before the export
     is there: the child imports torch and transformers meanwhile, then waits on its stdin until `result()` sends
     "go" and the export's folder. The finish starts one with itself; the trainer starts the final step's at that
     step's beginning (trainer.py), so that the child's imports (several seconds, more on a busy host) are done
@@ -129,7 +129,7 @@ class Validator:
 def validate_export(export: Path, expected_params: int | None, timeout_s: float) -> dict:
     """The receipt's `validation` of `export`: in the CPU-only child (Validator), or here for a tiny export."""
     if tiny(export):
-        from opd_patches import validate
+        from opd_patches.ops import validate
 
         return _receipt_validation(validate.check(Path(export), expected_params=expected_params))
     return Validator(export, expected_params).result(timeout_s)
@@ -310,14 +310,14 @@ def collect(proc: subprocess.Popen, result: Path, state: Path, wait: bool) -> di
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["validate"]:  # opd_patches.validate, tied to the finishing process
+    if argv[:1] == ["validate"]:  # opd_patches.ops.validate, tied to the finishing process
         parser = argparse.ArgumentParser(prog="finish validate")
         parser.add_argument("--parent-pid", type=int)
         parser.add_argument("--wait-go", action="store_true",
                             help="import, then wait for 'go EXPORT' on stdin (Validator); EXPORT is validated")
         args, rest = parser.parse_known_args(argv[1:])
         die_with_parent(args.parent_pid)
-        from opd_patches import validate
+        from opd_patches.ops import validate
 
         if args.wait_go:
             from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # noqa: F401 - the lazy imports

@@ -10,9 +10,9 @@ record it; each file's docstring names the upstream symbol it changes and why, a
 order of AT_REGISTRATION (entropy_from_logits and fsdp_save_checkpoint only where their switch is on;
 fsdp_save_checkpoint's `deferred_saves` is the temporary swap of the checkpoint manager's module-global
 `torch`). The ON_DEMAND ones are applied by the code that owns the object they change:
-- replay_poll_interval, replay_wait_for_next_poll: the trainer mixin (opd_patches/ops/trainer.py,
+- replay_poll_interval, replay_wait_for_next_poll: the trainer mixin (opd_patches/trainers/opd_sync.py,
   ops/liveness.py), on its replay buffer;
-- train_mini_batch: opd.debug.profile_update (opd_patches/bench/profile_update.py), on the worker's actor.
+- train_mini_batch: opd.debug.profile_update (opd_patches/hooks/profile_update.py), on the worker's actor.
 Importing this package imports neither VERL nor torch.
 """
 

@@ -5,7 +5,7 @@ Why: upstream's sync sampler sleeps `poll_interval` (its constructor's default) 
 TransferQueue while the rollout runs, so every generation takes a whole number of those periods. Upstream
 takes the interval only as a constructor argument that its builder (`PPOTrainer._build_replay_buffer`) never
 passes, so there is no config key; the attribute is what its wait reads. Applied by the trainer mixin
-(opd_patches/ops/trainer.py).
+(opd_patches/trainers/opd_sync.py).
 """
 
 from opd_patches.patches import registry

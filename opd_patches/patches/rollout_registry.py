@@ -1,7 +1,7 @@
 """Changes `verl.workers.rollout.base._ROLLOUT_REGISTRY` (workers/rollout/base.py:89 in VERL 0.9.1): adds
 the entry `("hf", "async")`.
 
-Why: the `hf` rollout's in-worker class (opd_patches/backends/hf_rollout.py `HFServerAdapter`) has no public
+Why: the `hf` rollout's in-worker class (opd_patches/rollout/hf.py `HFServerAdapter`) has no public
 hook: `get_rollout_class` resolves a rollout name through this private dict, where upstream's own backends
 are listed by dotted path. (The replica side goes through the public `RolloutReplicaRegistry.register`.)
 """
@@ -10,7 +10,7 @@ from opd_patches.patches import registry
 from opd_patches.patches.registry import Upstream
 
 KEY = ("hf", "async")
-CLASS = "opd_patches.backends.hf_rollout.HFServerAdapter"
+CLASS = "opd_patches.rollout.hf.HFServerAdapter"
 CHANGES = (Upstream("verl.workers.rollout.base", "_ROLLOUT_REGISTRY", key=KEY),)
 RELIES_ON = (
     Upstream("verl.workers.rollout.base", "get_rollout_class", params=("rollout_name", "mode"),

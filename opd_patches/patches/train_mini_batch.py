@@ -3,7 +3,7 @@
 
 Why: `ActorRolloutRefWorker.update_actor` runs each mini-batch through `self.actor.train_mini_batch`, the
 one call that holds a whole update; wrapping it on the instance times (and, for one update, profiles) it
-on every rank without touching the class (opd_patches/bench/profile_update.py).
+on every rank without touching the class (opd_patches/hooks/profile_update.py).
 """
 
 from typing import Callable

@@ -2,7 +2,7 @@
 (workers/config/distillation.py:188 in VERL 0.9.1).
 
 Why: upstream accepts only vllm/sglang for top-k teachers and raises NotImplementedError otherwise. The `hf`
-backend (opd_patches/backends/hf_rollout.py) returns any number of prompt log-probs, so there is nothing to
+backend (opd_patches/rollout/hf.py) returns any number of prompt log-probs, so there is nothing to
 validate for it.
 Accepts: the original's outcome for every call except `hf` with use_topk and a topk (upstream:
 NotImplementedError; here: valid); the original alone reads `self.inference` otherwise.

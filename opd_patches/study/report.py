@@ -23,7 +23,7 @@ import json
 import math
 from pathlib import Path
 
-from opd_patches import stats
+from opd_patches.eval import stats
 from opd_patches.eval.summary import load_records, results
 from opd_patches.ops.receipts import atomic_write_json
 

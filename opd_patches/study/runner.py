@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from opd_patches.ops import checkpoints, receipts
-from opd_patches.ops import summary as run_summary
+from opd_patches.ops import run_summary
 from opd_patches.study import guard
 from opd_patches.study.guard import session_pids
 from opd_patches.study.spec import REPO, Spec, seed_overrides

@@ -170,7 +170,7 @@ class ColocatedTeacherWorker(ActorRolloutRefWorker):
         device = worker_device()
         dtype = getattr(torch, teacher.inference.dtype) if device.type != "cpu" else torch.float32
         attn = (self.config.model.get("override_config", {}) or {}).get("attn_implementation", "sdpa")
-        from opd_patches.bench import profile_update
+        from opd_patches.hooks import profile_update
 
         profile_update.install(self)  # opd.debug.profile_update (bench only): a no-op unless asked for
         self.teacher = ColocatedTeacher(

@@ -1,0 +1,1 @@
+"""Attention implementations registered with transformers (opd.attn_implementation): `torch_varlen`."""

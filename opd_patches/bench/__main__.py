@@ -1,3 +1,0 @@
-from opd_patches.bench.run import main
-
-raise SystemExit(main())

@@ -1,0 +1,3 @@
+from tools.bench.run import main
+
+raise SystemExit(main())
