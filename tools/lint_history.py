@@ -11,6 +11,7 @@ recipes/**/*.yaml for what belongs in docs/ beside its JSON, not in the code:
   figure    a measured figure: a number with a time unit, an "Nx faster/slower" ratio, "measured"/"took" by a number
 A comment `# lint: allow-figure (reason)` lets its line keep a figure that is a definition (a constant's
 value, an example of output), not a measurement; on a docstring's closing line it covers that docstring.
+Also every line of opd_patches' code and data files (`outside`): no path to a folder beside the checkout.
 Prints `path:line: pattern: text` per hit and exits 1, or one line and exits 0 when all is clean.
 Run from anywhere: python3 tools/lint_history.py (make lint; .ci/run runs it before the tests).
 """
@@ -37,6 +38,7 @@ PATTERNS = {
                          r"|\b(?:measured|took)\b\W+(?:\w+\W+){0,2}?~?\d"),
 }
 ESCAPE = "lint: allow-figure ("
+OUTSIDE = re.compile(r"\.\./shared\b|parents?(\[\d+\])?\s*/\s*[\"']shared[\"']")
 
 
 def python_texts(path):
@@ -83,6 +85,10 @@ def main():
              if p != Path(__file__).resolve()]
     files += [(p, yaml_texts) for p in sorted((ROOT / "recipes").rglob("*.yaml"))]
     found = [h for path, texts in files for h in hits(path, texts(path))]
+    # Product code never reads a folder beside the checkout: a user's machine has none.
+    found += [f"{p.relative_to(ROOT)}:{n}: outside: {line.strip()}" for p in sorted((ROOT / "opd_patches").rglob("*"))
+              if p.suffix in (".py", ".yaml", ".yml", ".sh", ".txt") and p.is_file()
+              for n, line in enumerate(p.read_text().splitlines(), 1) if OUTSIDE.search(line)]
     if found:
         print("\n".join(found))
         print(f"history lint: {len(found)} hits; comments say why, figures live in docs/ (style rule 11)")
