@@ -30,7 +30,7 @@ OUTPUT_DIR=${OUTPUT_DIR:-}      # default: outputs/<recipe>
 PYTHON=${PYTHON:-}              # default: the project's .venv, else python3 (a prepared environment)
 FORCE=${FORCE:-0}               # 1: start despite a held run lock, a busy GPU or too little disk/memory (opd.force=true)
 WALL_CLOCK=${WALL_CLOCK:-}      # seconds from launch; the trainer stops in time to save (opd.wall_clock_s)
-RESERVE=${RESERVE:-}            # seconds kept free at the end of WALL_CLOCK (opd.reserve_s, default 1200)
+RESERVE=${RESERVE:-}            # seconds kept free at the end of WALL_CLOCK (opd.reserve_s)
 
 args=()
 for a in "$@"; do

@@ -5,10 +5,10 @@
 (run.sh is the usual way in.) Between Hydra and VERL's own V1 trainer it only: takes the one-run
 lock and checks that no other process holds the assigned GPUs (opd_patches/ops/lock.py; exit 75 when
 refused, `opd.force=true` skips both), checks the disk and host memory the run will hold
-(opd_patches/checks/resources.py), resolves the project's `opd.*` keys (teacher placement, attention,
-CPU compute dtype), checks model and data paths, loss settings and student/teacher vocabularies, writes
-`manifest.json` into the run folder, routes metrics to `metrics.jsonl` there, and makes every Ray
-process import opd_patches. Training itself is upstream's `TaskRunnerV1` (with the colocated teacher:
+(opd_patches/checks/resources.py), validates the project's `opd.*` keys (opd_patches/config.py) and
+resolves them (teacher placement, attention, CPU compute dtype), checks model and data paths, loss
+settings and student/teacher vocabularies, writes `manifest.json` into the run folder, routes metrics to
+`metrics.jsonl` there, and makes every Ray process import opd_patches and get the resolved `opd` section. Training itself is upstream's `TaskRunnerV1` (with the colocated teacher:
 the registered trainer mode `colocated_teacher`, a subclass of upstream's sync trainer).
 """
 
@@ -22,20 +22,16 @@ import hydra
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 import opd_patches
+from opd_patches import config as opd_config  # also registers recipes/base.yaml's `opd_defaults` node
 from opd_patches.ops import manifest
+from opd_patches.config import ConfigError
 from opd_patches.checks import InputError
 
-PLACEMENTS = ("standalone", "colocated")
-PREFLIGHT_MODES = ("off", "cheap", "full")
 COLOCATED_MODE = "colocated_teacher"  # trainer mode of opd_patches/trainers/colocated_teacher.py
 OPS_SYNC_MODE = "opd_sync"  # upstream's sync trainer + training operations (opd_patches/trainers/opd_sync.py)
 LAUNCHED_AT = time.time()  # the wall clock (opd.wall_clock_s) counts from here
 COLOCATED_AGENT_LOOP = "opd_patches.teacher.agent_loop.ColocatedTeacherAgentLoopManager"
 VERL_CONFIG_PKG = "pkg://verl.trainer.config"  # run.sh's search path: VERL's ppo_trainer and its groups
-
-
-class ConfigError(ValueError):
-    """A config value that cannot work; the message names the key and what to do."""
 
 
 def _files(value) -> list[str]:
@@ -121,9 +117,7 @@ def run_preflight(config: DictConfig, run_dir: Path | None = None) -> dict:
     Returns what the vocabulary check compared (compat.check_vocab)."""
     from opd_patches.checks import compat, preflight
 
-    mode = str(config.opd.get("preflight", "cheap"))
-    if mode not in PREFLIGHT_MODES:
-        raise ConfigError(f"opd.preflight={mode!r}: choose one of {PREFLIGHT_MODES}.")
+    mode = opd_config.of(config).preflight
     student = str(config.actor_rollout_ref.model.path)
     teachers = {key: str(t.model_path) for key, t in config.distillation.teacher_models.items()}
     tokenizers = compat.load_tokenizers(student, *teachers.values())
@@ -147,13 +141,11 @@ def run_preflight(config: DictConfig, run_dir: Path | None = None) -> dict:
 
 def apply_placement(config: DictConfig) -> None:
     """Translate `opd.teacher_placement` into upstream's distillation keys."""
-    placement = config.opd.teacher_placement
-    if placement not in PLACEMENTS:
-        raise ConfigError(f"opd.teacher_placement={placement!r}: choose one of {PLACEMENTS}.")
+    opd = opd_config.of(config)
     with open_dict(config):
         config.distillation.nnodes = int(config.trainer.nnodes)
-        if placement == "standalone":
-            config.distillation.n_gpus_per_node = int(config.opd.teacher_gpus)
+        if opd.teacher_placement == "standalone":
+            config.distillation.n_gpus_per_node = opd.teacher_gpus
             if config.trainer.v1.trainer_mode == "sync":  # same trainer + wall clock, receipts, resume, guard
                 config.trainer.v1.trainer_mode = OPS_SYNC_MODE
             return
@@ -168,8 +160,8 @@ def apply_placement(config: DictConfig) -> None:
         config.trainer.v1.trainer_mode = COLOCATED_MODE
         if config.trainer.v1.get(COLOCATED_MODE) is None:
             config.trainer.v1[COLOCATED_MODE] = {}
-        config.trainer.v1[COLOCATED_MODE].offload = bool(config.opd.teacher_offload)
-        config.trainer.v1[COLOCATED_MODE].canary_every = int(config.opd.teacher_canary_every)
+        config.trainer.v1[COLOCATED_MODE].offload = opd.teacher_offload
+        config.trainer.v1[COLOCATED_MODE].canary_every = opd.teacher_canary_every
         config.actor_rollout_ref.rollout.agent.agent_loop_manager_class = COLOCATED_AGENT_LOOP
         # Upstream still validates the (unused) teacher pool's size: name the actor's GPUs.
         config.distillation.n_gpus_per_node = int(config.trainer.n_gpus_per_node)
@@ -181,7 +173,7 @@ def apply_attention(config: DictConfig) -> None:
     flash_attention_2 where flash-attn is installed, else torch_varlen on CUDA, else sdpa."""
     from opd_patches.attention import torch_varlen
 
-    choice = config.opd.get("attn_implementation", "auto")
+    choice = opd_config.of(config).attn_implementation
     try:
         attn = torch_varlen.resolve(choice, str(config.trainer.device))
     except ValueError as exc:
@@ -218,7 +210,7 @@ def apply_cpu_dtype(config: DictConfig) -> None:
 
     from opd_patches.platforms import cpu as cpu_platform
 
-    choice = config.opd.get("cpu_dtype", "auto")
+    choice = opd_config.of(config).cpu_dtype
     try:
         dtype, why = cpu_platform.compute_dtype(choice)
     except ValueError as exc:
@@ -242,9 +234,7 @@ def apply_export(config: DictConfig) -> None:
     """`opd.background_export`: the save's finish builds the HF export from the state files
     (opd_patches/ops/state_export.py), so upstream's save leaves `hf_model` out of `save_contents`.
     Resolved to false (upstream exports) where there is no export to move or it cannot be built."""
-    choice = config.opd.get("background_export", True)
-    if not isinstance(choice, bool):
-        raise ConfigError(f"opd.background_export={choice!r}: use true or false.")
+    choice = opd_config.of(config).background_export
     checkpoint = config.actor_rollout_ref.actor.checkpoint
     contents = list(checkpoint.get("save_contents") or [])
     why = None
@@ -299,9 +289,18 @@ def logger_env(run_dir: Path) -> dict:
 
 
 def configure_ray(config: DictConfig, run_dir: Path) -> None:
-    """Environment for every Ray process; logical GPUs on the CPU platform."""
+    """Environment for every Ray process; logical GPUs on the CPU platform. The `opd` section, resolved
+    (the run folder, whether the update's entropy is a metric only), travels as one variable,
+    opd_patches/config.py's OPD_CONFIG, which every worker-side reader parses once."""
+    from opd_patches.teacher.old_log_prob import entropy_detached
+
+    with open_dict(config):
+        config.opd.run_dir = str(run_dir)
+        # patches/entropy_from_logits.py: the update's entropy is a metric only
+        config.opd.entropy_detached = entropy_detached(config)
+    opd = opd_config.of(config)
     modules = ["opd_patches.registered"]  # its import calls opd_patches.register()
-    if config.opd.teacher_placement == "colocated":
+    if opd.teacher_placement == "colocated":
         modules.append("opd_patches.trainers.colocated_teacher")  # registers the trainer mode "colocated_teacher"
     else:
         modules.append("opd_patches.trainers.opd_sync")  # registers the trainer mode "opd_sync"
@@ -309,47 +308,11 @@ def configure_ray(config: DictConfig, run_dir: Path) -> None:
         "VERL_USE_EXTERNAL_MODULES": ",".join(modules),
         "VERL_FILE_LOGGER_PATH": str(run_dir / "metrics.jsonl"),
         **logger_env(run_dir),
+        opd_config.ENV: opd_config.dumps(opd),
     }
     for var in ("VERL_PLATFORM", "VERL_ENGINE_DEVICE", "PYTHONPATH"):
         if os.environ.get(var):
             env[var] = os.environ[var]
-    from opd_patches.teacher.old_log_prob import entropy_detached
-
-    if entropy_detached(config):  # patches/entropy_from_logits.py: the update's entropy is a metric only
-        env["OPD_ENTROPY_DETACHED"] = "1"
-    state_write = config.opd.get("background_state_write", True)
-    if not isinstance(state_write, bool):
-        raise ConfigError(f"opd.background_state_write={state_write!r}: use true or false.")
-    if state_write:  # patches/fsdp_save_checkpoint.py: state files written by a thread of each worker
-        from opd_patches.ops import state_writer
-
-        env[state_writer.ENV] = "1"
-    lean = config.opd.get("lean_topk")  # null: the default in opd_patches/losses/lean_topk.py
-    if lean is not None:
-        if not isinstance(lean, bool):
-            raise ConfigError(f"opd.lean_topk={lean!r}: use true, false or null (the built-in default).")
-        env["OPD_LEAN_TOPK"] = "1" if lean else "0"
-    kernel = config.opd.get("lean_topk_kernel")  # null: auto (opd_patches/losses/lean_topk.py)
-    if kernel is not None:
-        from opd_patches.losses.lean_topk import KERNEL_CHOICES, KERNEL_ENV
-
-        if kernel not in KERNEL_CHOICES:
-            raise ConfigError(
-                f"opd.lean_topk_kernel={kernel!r}: use one of {', '.join(KERNEL_CHOICES)} or null (auto).")
-        env[KERNEL_ENV] = kernel
-    fast = config.opd.get("fast_logprobs")  # null: the default in opd_patches/losses/sampled_logprob.py
-    if fast is not None:
-        if not isinstance(fast, bool):
-            raise ConfigError(f"opd.fast_logprobs={fast!r}: use true, false or null (the built-in default).")
-        env["OPD_FAST_LOGPROBS"] = "1" if fast else "0"
-    from opd_patches.hooks import profile_update
-
-    try:
-        profile = profile_update.spec((config.opd.get("debug") or {}).get("profile_update"), run_dir)
-    except ValueError as err:
-        raise ConfigError(str(err)) from None
-    if profile:
-        env[profile_update.ENV] = profile
     with open_dict(config):
         ray_init = config.ray_kwargs.ray_init
         if ray_init.get("runtime_env") is None:
@@ -357,7 +320,7 @@ def configure_ray(config: DictConfig, run_dir: Path) -> None:
         ray_init.runtime_env.env_vars = {**(ray_init.runtime_env.get("env_vars") or {}), **env}
         if os.environ.get("VERL_PLATFORM") == "cpu":
             gpus = config.trainer.n_gpus_per_node * config.trainer.nnodes
-            if config.opd.teacher_placement == "standalone":  # colocated: no teacher pool
+            if opd.teacher_placement == "standalone":  # colocated: no teacher pool
                 gpus += config.distillation.n_gpus_per_node * config.distillation.nnodes
             # Ray must see as many (logical) GPUs as the placement groups ask for, and enough
             # logical CPUs for VERL's bundles ({"CPU": 3, "GPU": 1} each); otherwise it waits forever.
@@ -407,6 +370,7 @@ def prepare(config: DictConfig) -> Path:
     the run folder."""
     if "opd" not in config:
         raise ConfigError("The config has no `opd` section: start from a recipe in recipes/ (see recipes/README.md).")
+    opd_config.of(config)  # every opd.* key typed and checked before anything acts on one
     # The driver validates loss names and the platform too; run.sh's VERL_USE_EXTERNAL_MODULES already
     # registered them when verl was imported, a direct caller may not have set it (idempotent).
     opd_patches.register()
@@ -440,13 +404,15 @@ def hold_run_lock(config: DictConfig) -> None:
 
     gpus = [] if os.environ.get("VERL_PLATFORM") == "cpu" else None  # the CPU platform uses no GPU
     run_dir = Path(os.path.expanduser(str(config.trainer.default_local_dir))).resolve()
-    held = lock.acquire(force=bool(OmegaConf.select(config, "opd.force", default=False)), gpus=gpus, run=run_dir)
+    held = lock.acquire(force=opd_config.of(config).force, gpus=gpus, run=run_dir)
     atexit.register(held.release)
 
 
 def run(config: DictConfig) -> None:
     if not config.trainer.use_v1:
         raise ConfigError("trainer.use_v1=false: opd_patches builds on VERL's V1 trainer only.")
+    opd_config.check_environment()
+    opd_config.of(config)  # a mistyped opd.* key is refused before the lock or any check
     # Before prepare(): a refused run must not rotate the running one's files; before importing VERL: a
     # refusal or a mistyped path costs no import (VERL pulls in torch and ray: seconds of CPU).
     hold_run_lock(config)
@@ -513,5 +479,10 @@ def main(config: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    try:  # an unknown opd.* key on the command line: the nearest known one, not Hydra's append hint
+        opd_config.check_overrides(sys.argv[1:])
+    except ConfigError as exc:
+        print(f"[opd] config error: {exc}", file=sys.stderr, flush=True)
+        sys.exit(2)
     sys.argv = searchpath_without_import(sys.argv)
     main()

@@ -30,13 +30,13 @@ from typing import Any, Callable
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-# Switches in-process tests set for a while with monkeypatch (test_loss_invariance.py's TopkPath:
-# OPD_LEAN_TOPK); a run started meanwhile must not inherit them (its recipe keys, passed to Ray by
-# main.configure_ray, decide).
+# A run's opd.* keys come from its recipe and overrides (main.configure_ray passes them to Ray as
+# OPD_CONFIG); one exported in the test process's own environment is not handed on. In-process tests
+# change the config with opd_patches.config.override, which no subprocess sees.
 # Ray's own start-up deadline: on a loaded 2-core machine several clusters starting at once can miss
 # it before any project code runs; such a run is started once more.
 RAY_START_TIMEOUT = "The current node timed out during startup"
-IN_PROCESS_SWITCHES = ("OPD_LEAN_TOPK", "OPD_LEAN_TOPK_KERNEL", "OPD_FAST_LOGPROBS", "OPD_ENTROPY_DETACHED")
+NOT_INHERITED = ("OPD_CONFIG",)
 POLL_S = 0.5
 
 
@@ -208,7 +208,7 @@ class Pool:
 
     def _subprocess(self, name: str, spec: Spec, out: Path) -> int | None:
         # Each run takes the one-run lock (opd_patches/ops/lock.py) in a folder of its own.
-        env = {k: v for k, v in os.environ.items() if k not in IN_PROCESS_SWITCHES}
+        env = {k: v for k, v in os.environ.items() if k not in NOT_INHERITED}
         env.update({"OPD_LOCK_DIR": str(out / "lock"), "PYTHONUNBUFFERED": "1", **spec.env})
         env.pop("OPD_LOCK_HELD", None)
         with open(out / "run.log", "w") as log:

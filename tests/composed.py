@@ -12,6 +12,8 @@ from pathlib import Path
 
 from hydra import compose, initialize_config_dir
 
+from opd_patches import config  # noqa: F401  (registers recipes/base.yaml's opd_defaults node)
+
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 SEARCH_PATH = "hydra.searchpath=[pkg://verl.trainer.config]"  # as run.sh
 

@@ -55,6 +55,25 @@ def ray_env_of(run_dir, **opd):
     return config.ray_kwargs.ray_init.runtime_env.env_vars
 
 
+@pytest.fixture
+def opd_override():
+    """`opd_override(lean_topk=False)`: opd_patches.config.current() with these keys changed until the test
+    ends (config.override, as a call instead of a block)."""
+    import contextlib
+
+    from opd_patches import config
+
+    with contextlib.ExitStack() as stack:
+        yield lambda **changes: stack.enter_context(config.override(**changes))
+
+
+def worker_config_of(run_dir, **opd):
+    """The config a Ray worker reads (opd_patches.config.current()) when the driver got these `opd.*` keys."""
+    from opd_patches import config
+
+    return config.loads(ray_env_of(run_dir, **opd)[config.ENV])
+
+
 _EMBEDDED: list = []
 _EMBEDDED_LOCK = threading.Lock()
 

@@ -13,13 +13,15 @@ import os
 import subprocess
 import sys
 
+from opd_patches import config
+
 # The environments main.configure_ray gives Ray processes (colocated / standalone teacher), the
 # registration module alone, and none (no variable: what VERL does without opd_patches asking for it).
 ENVS = {
     "none": {},
     "registered": {"VERL_USE_EXTERNAL_MODULES": "opd_patches.registered"},
     "colocated": {"VERL_USE_EXTERNAL_MODULES": "opd_patches.registered,opd_patches.trainers.colocated_teacher",
-                  "OPD_ENTROPY_DETACHED": "1"},
+                  **config.env(entropy_detached=True)},  # the skipped old-log-prob pass of the recipes
     "standalone": {"VERL_USE_EXTERNAL_MODULES": "opd_patches.registered,opd_patches.trainers.opd_sync"},
 }
 REGISTRATION = ("platform_cpu", "replica_hf", "rollout_hf", "topk_patch", "gloo_patch")
@@ -72,7 +74,8 @@ print(json.dumps(facts))
 @functools.cache
 def facts(env: str) -> dict:
     """The FACTS of a fresh interpreter in environment ENVS[env] (VERL_PLATFORM unset, as in a new shell)."""
-    full = {k: v for k, v in os.environ.items() if k not in ("VERL_USE_EXTERNAL_MODULES", "VERL_PLATFORM")}
+    full = {k: v for k, v in os.environ.items() if k not in ("VERL_USE_EXTERNAL_MODULES", "VERL_PLATFORM",
+                                                                      config.ENV)}
     full.update(ENVS[env])
     out = subprocess.run([sys.executable, "-c", FACTS], env=full, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, f"{env}: exit {out.returncode}\n{out.stderr[-3000:]}"

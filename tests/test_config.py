@@ -1,9 +1,15 @@
-"""Recipes compose over VERL's ppo_trainer and pass VERL's own validation, with the seed's values.
+"""Recipes compose over VERL's ppo_trainer and pass VERL's own validation, with the seed's values; the
+project's own `opd.*` keys are typed and validated once (opd_patches/config.py) and reach the workers.
 
 Composition uses Hydra's compose API on recipes/ exactly as run.sh does (same overrides), then
 VERL's `validate_config` and the dataclass conversions that the trainer performs at start-up.
 """
 
+import json
+import os
+import subprocess
+import sys
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -12,6 +18,7 @@ from verl.trainer.ppo.utils import need_critic, need_reference_policy
 from verl.utils.config import omega_conf_to_dataclass, validate_config
 
 import opd_patches  # noqa: F401  (registers the hf backend that the cpu device selects)
+from opd_patches import config as opd_config
 from opd_patches import main
 
 import composed
@@ -169,3 +176,125 @@ def test_missing_inputs_are_reported_by_key(tmp_path, embedded):
         c.distillation.teacher_models.teacher_model.model_path = "nobody/not-cached"
     with pytest.raises(InputError, match=r"teacher_model\.model_path=nobody/not-cached: .*local Hugging Face cache"):
         main.check_inputs(c)
+
+
+# ---- the typed opd.* configuration (opd_patches/config.py) ---------------------------------------
+
+
+def test_the_recipes_compose_the_dataclass_defaults():
+    """recipes/base.yaml restates no default: the composed `opd` section is OpdConfig's, device overlays aside."""
+    assert opd_config.of(compose_recipe("k1", device="gpu")) == opd_config.OpdConfig()
+    cpu = opd_config.of(compose_recipe("topk"))
+    assert cpu == opd_config.OpdConfig(background_export=False)  # cpu.yaml's one opd key
+    assert opd_config.of(compose_recipe("k1", "opd.force=true", "opd.debug.save_steps=[2,4]")).force is True
+
+
+@pytest.mark.parametrize("override, line", [
+    ("opd.teacher_gpus=two", "opd.teacher_gpus='two': use an integer >= 1"),
+    ("opd.teacher_canary_every=-1", "opd.teacher_canary_every=-1: use an integer >= 0"),
+    ("opd.force=yes", "opd.force='yes': use true or false."),
+    ("opd.lean_topk=null", "opd.lean_topk=null: use true or false."),
+    ("opd.lean_topk_kernel=cuda", "opd.lean_topk_kernel='cuda': use one of auto, triton, torch."),
+    ("opd.skip_old_log_prob=sometimes", "opd.skip_old_log_prob='sometimes': use one of auto, true, false."),
+    ("opd.preflight=fast", "opd.preflight='fast': use one of off, cheap, full."),
+    ("opd.reserve_s=-5", "opd.reserve_s=-5: use a number >= 0 (seconds)."),
+    ("opd.wall_clock_s=0", "opd.wall_clock_s=0: use a number > 0 (seconds), or null."),
+    ("opd.wall_clock_margin=0.5", "opd.wall_clock_margin=0.5: use a number >= 1"),
+    ("opd.replay_poll_s=true", "opd.replay_poll_s=true: use a number > 0 (seconds)."),
+    ("opd.debug.save_steps=[0]", "opd.debug.save_steps=[0]: use a list of step numbers (>= 1), or null."),
+    ("opd.debug.inject_nan_into=grad", "opd.debug.inject_nan_into='grad': use one of loss, teacher."),
+    ("opd.debug.profile_update=0", "opd.debug.profile_update=0: use an integer >= 1"),
+    ("opd.debug=3", "opd.debug=3: a section of keys"),
+    ("+opd.forse=true", "opd.forse is not a key: did you mean opd.force?"),
+    ("+opd.debug.profle_update=2", "opd.debug.profle_update is not a key: did you mean opd.debug.profile_update?"),
+    ("+opd.overlap=true", "opd.overlap no longer exists: it was never shipped"),
+])
+def test_each_bad_key_or_value_is_refused_with_one_line(override, line):
+    with pytest.raises(opd_config.ConfigError) as err:
+        opd_config.of(compose_recipe("k1", override))
+    assert str(err.value).startswith(line) and "\n" not in str(err.value), str(err.value)
+
+
+def test_every_renamed_key_names_its_replacement():
+    for old, replacement in opd_config.RENAMED.items():
+        with pytest.raises(opd_config.ConfigError, match=rf"^opd\.{old} no longer exists: "):
+            opd_config.load({old: 1} if "." not in old else {old.split(".")[0]: {old.split(".")[1]: 1}})
+        assert replacement
+
+
+def test_unknown_key_on_the_command_line_names_the_nearest_before_hydra(tmp_path):
+    """Hydra itself would only say 'To append to your config use +opd.forse=true'."""
+    with pytest.raises(opd_config.ConfigError, match=r"opd.wall_clok_s is not a key: did you mean opd.wall_clock_s\?"):
+        opd_config.check_overrides(["recipe=k1", "opd.wall_clok_s=100"])
+    opd_config.check_overrides(["opd.wall_clock_s=100", "opd.debug.save_steps=[1]", "trainer.nnodes=1"])
+    cmd = [sys.executable, "-m", "opd_patches.main", "--config-path", str(REPO / "recipes"), "--config-name", "k1",
+           "opd.forse=true"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == "[opd] config error: opd.forse is not a key: did you mean opd.force?"
+
+
+def test_a_removed_environment_variable_is_refused_naming_its_key():
+    with pytest.raises(opd_config.ConfigError, match="OPD_LEAN_TOPK is no longer read: set the recipe key opd.lean_topk "):
+        opd_config.check_environment({"OPD_LEAN_TOPK": "0", "OPD_LOCK_DIR": "/tmp"})
+    opd_config.check_environment({"OPD_LOCK_DIR": "/tmp", "OPD_CONFIG": "{}"})
+
+
+WORKER = """
+import json
+from dataclasses import asdict
+from opd_patches import config
+from opd_patches.losses import lean_topk, sampled_logprob
+print(json.dumps({"config": asdict(config.current()), "lean": lean_topk.enabled(),
+                  "kernel": lean_topk.kernel_choice(), "fast": sampled_logprob.enabled()}))
+"""
+
+
+def _worker(env_vars):
+    env = {k: v for k, v in os.environ.items() if k != opd_config.ENV}
+    proc = subprocess.run([sys.executable, "-c", WORKER], env={**env, **env_vars}, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return json.loads(proc.stdout.splitlines()[-1])
+
+
+@pytest.mark.fresh_process
+def test_the_drivers_config_reaches_a_worker_and_its_readers(tmp_path, monkeypatch):
+    """The driver serializes the validated config once (OPD_CONFIG in Ray's runtime env); a fresh process with
+    that environment parses the same dataclass, and the recipe keys reach the loss modules' switches."""
+    c = compose_recipe("topk", "opd.lean_topk=false", "opd.lean_topk_kernel=torch", "opd.fast_logprobs=false",
+                       "opd.wall_clock_s=3600", "opd.debug.save_steps=[1,3]")
+    monkeypatch.setenv("VERL_PLATFORM", "cpu")
+    main.configure_ray(c, tmp_path)
+    env_vars = dict(c.ray_kwargs.ray_init.runtime_env.env_vars)
+    driver = opd_config.of(c)
+    assert driver.run_dir == str(tmp_path) and driver.debug.save_steps == (1, 3)
+    seen = _worker({opd_config.ENV: env_vars[opd_config.ENV]})
+    assert opd_config.load(seen["config"]) == driver
+    assert (seen["lean"], seen["kernel"], seen["fast"]) == (False, "torch", False)
+    # outside a run (no variable): the defaults
+    alone = _worker({})
+    assert opd_config.load(alone["config"]) == opd_config.OpdConfig()
+    assert (alone["lean"], alone["kernel"], alone["fast"]) == (True, "auto", True)
+
+
+def test_override_changes_the_process_config_for_a_block_only():
+    from opd_patches.losses import lean_topk
+
+    before = opd_config.current()
+    with opd_config.override(lean_topk=not before.lean_topk, debug={"profile_update": 2}) as changed:
+        assert lean_topk.enabled() is (not before.lean_topk) and opd_config.current() is changed
+        assert changed.debug.profile_update == 2 and changed.debug.inject_nan_into == before.debug.inject_nan_into
+    assert opd_config.current() is before
+    with pytest.raises(opd_config.ConfigError, match="opd.lean_topk='no'"):
+        with opd_config.override(lean_topk="no"):
+            pass
+    assert opd_config.current() is before
+
+
+def test_the_serialized_value_round_trips():
+    opd = opd_config.load({"reserve_s": 10, "debug": {"save_steps": [2], "finish_hold_s": 1}, "launched_at": 5.0})
+    assert opd_config.loads(opd_config.dumps(opd)) == opd and isinstance(opd.reserve_s, float)
+    assert json.loads(opd_config.dumps(opd)) == json.loads(json.dumps(asdict(opd)))
+    with pytest.raises(opd_config.ConfigError, match="OPD_CONFIG is not JSON"):
+        opd_config.loads("lean_topk=0")

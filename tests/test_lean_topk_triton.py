@@ -19,6 +19,7 @@ import torch
 
 pytest.importorskip("triton", reason="triton is not installed (requirements/cpu.txt pins it for these tests)")
 
+from opd_patches import config  # noqa: E402
 from opd_patches.losses import lean_topk as lt  # noqa: E402
 from opd_patches.losses import lean_topk_triton as ltt  # noqa: E402
 from opd_patches.losses.tail_kl import TAIL_EPS  # noqa: E402
@@ -33,14 +34,13 @@ needs_interpreter = pytest.mark.skipif(
 @pytest.fixture(autouse=True)
 def small_blocks(monkeypatch):
     monkeypatch.setattr(ltt, "BLOCK_V", BLOCK)
-    monkeypatch.delenv(lt.KERNEL_ENV, raising=False)
 
 
 @pytest.mark.fresh_process
 @pytest.mark.skipif(INTERPRETED, reason="this is the interpreter process")
 def test_kernels_in_triton_interpreter():
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    env.pop(lt.KERNEL_ENV, None)
+    env.pop(config.ENV, None)  # the defaults (opd.lean_topk_kernel=auto), whatever this process runs under
     cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, cwd=Path(__file__).parents[1])
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
@@ -49,11 +49,11 @@ def test_kernels_in_triton_interpreter():
 
 
 def run(path, logits, ids, t, weights, clamp, with_tail, monkeypatch):
-    """Outputs and logit gradient of lean_topk with OPD_LEAN_TOPK_KERNEL=path."""
-    monkeypatch.setenv(lt.KERNEL_ENV, path)
-    z = logits.detach().clone().requires_grad_(True)
-    out = lt.lean_topk(z, ids, t, clamp=clamp, with_tail=with_tail, chunk=9)
-    _loss(out, weights, with_tail).backward()
+    """Outputs and logit gradient of lean_topk with opd.lean_topk_kernel=path."""
+    with config.override(lean_topk_kernel=path):
+        z = logits.detach().clone().requires_grad_(True)
+        out = lt.lean_topk(z, ids, t, clamp=clamp, with_tail=with_tail, chunk=9)
+        _loss(out, weights, with_tail).backward()
     return out, z.grad
 
 
@@ -208,33 +208,27 @@ def test_kernel_switch(monkeypatch):
     cpu = torch.device("cpu")
     monkeypatch.setattr(ltt, "interpreted", lambda: True)
     assert lt.kernel_choice() == "auto" and lt._use_triton(cpu)  # the interpreter counts as available
-    monkeypatch.setenv(lt.KERNEL_ENV, "torch")
-    assert not lt._use_triton(cpu)
-    monkeypatch.setenv(lt.KERNEL_ENV, "cuda")
-    with pytest.raises(ValueError, match="OPD_LEAN_TOPK_KERNEL='cuda'.*auto, triton, torch"):
-        lt.kernel_choice()
+    with config.override(lean_topk_kernel="torch"):
+        assert not lt._use_triton(cpu)
+    with pytest.raises(config.ConfigError, match="opd.lean_topk_kernel='cuda'.*auto, triton, torch"):
+        with config.override(lean_topk_kernel="cuda"):
+            pass
     monkeypatch.setattr(ltt, "interpreted", lambda: False)
-    monkeypatch.delenv(lt.KERNEL_ENV)
     assert not lt._use_triton(cpu)  # auto on a CPU without the interpreter: the torch path
-    monkeypatch.setenv(lt.KERNEL_ENV, "triton")
-    with pytest.raises(RuntimeError, match="OPD_LEAN_TOPK_KERNEL=triton.*cannot run on cpu"):
-        lt._use_triton(cpu)
+    with config.override(lean_topk_kernel="triton"):
+        with pytest.raises(RuntimeError, match="opd.lean_topk_kernel=triton.*cannot run on cpu"):
+            lt._use_triton(cpu)
     monkeypatch.setattr(ltt, "triton", None)
     assert not ltt.available(torch.device("cuda"))
 
 
-def test_recipe_key_reaches_the_workers_env(tmp_path):
-    """opd.lean_topk_kernel -> OPD_LEAN_TOPK_KERNEL in Ray's runtime env; a bad value names the key."""
-    from omegaconf import OmegaConf
+def test_recipe_key_reaches_the_workers(tmp_path):
+    """opd.lean_topk_kernel -> the workers' config (OPD_CONFIG in Ray's runtime env); a bad value names the key."""
+    from composed import compose_recipe
+    from conftest import worker_config_of
 
-    from conftest import ray_env_of
-    from opd_patches.main import ConfigError
-
-    def env_of(value):
-        return ray_env_of(tmp_path, lean_topk_kernel=value)
-
-    assert env_of("torch")[lt.KERNEL_ENV] == "torch" and env_of("triton")[lt.KERNEL_ENV] == "triton"
-    assert lt.KERNEL_ENV not in env_of(None)
-    with pytest.raises(ConfigError, match="opd.lean_topk_kernel"):
-        env_of("cuda")
-    assert OmegaConf.load(Path(__file__).resolve().parents[1] / "recipes" / "base.yaml").opd.lean_topk_kernel == "auto"
+    assert worker_config_of(tmp_path, lean_topk_kernel="torch").lean_topk_kernel == "torch"
+    assert worker_config_of(tmp_path, lean_topk_kernel="triton").lean_topk_kernel == "triton"
+    assert worker_config_of(tmp_path).lean_topk_kernel == "auto" == compose_recipe("topk").opd.lean_topk_kernel
+    with pytest.raises(config.ConfigError, match="opd.lean_topk_kernel"):
+        worker_config_of(tmp_path, lean_topk_kernel="cuda")

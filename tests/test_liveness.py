@@ -20,6 +20,7 @@ from verl.workers.rollout.llm_server import LLMServerManager
 
 import opd_patches  # noqa: F401
 
+from opd_patches.config import OpdConfig
 from opd_patches.ops import liveness
 from test_replay_poll import mixin_trainer
 
@@ -51,10 +52,10 @@ class _Clock:
 
 
 @pytest.mark.parametrize("overrides, drop, every_s", [(["opd.liveness_check_s=5"], [], 5.0),
-                                                      ([], ["liveness_check_s"], liveness.DEFAULT_EVERY_S)])
+                                                      ([], ["liveness_check_s"], OpdConfig().liveness_check_s)])
 def test_the_mixin_installs_it_from_the_recipe_key(monkeypatch, overrides, drop, every_s):
     """The trainer's poll asks Ray about the trainer's own rollout actors once `opd.liveness_check_s` seconds of
-    waiting have passed (DEFAULT_EVERY_S for a config without the key), and raises when one is dead."""
+    waiting have passed (the default for a config without the key), and raises when one is dead."""
     clock, asked, verdicts = _Clock(), [], [[], ["agent-loop worker 0"]]
     monkeypatch.setattr(liveness, "time", clock)
     monkeypatch.setattr(liveness, "dead", lambda actors: asked.append(dict(actors)) or verdicts[len(asked) - 1])

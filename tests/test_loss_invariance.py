@@ -58,14 +58,14 @@ SPLITS = [("static", 1), ("static", 2), ("static", 4), ("static", N_SEQ), ("dyna
 
 class TopkPath:
     """Which implementation VERL's top-k hook runs (patches/compute_forward_kl_topk.py asks `lean_topk.enabled()`, i.e.
-    OPD_LEAN_TOPK, on every call; a run gets it from `opd.lean_topk`): `lean` (the default) or `upstream`.
+    `opd.lean_topk` of opd_patches.config.current(), on every call): `lean` (the default) or `upstream`.
     lean_calls: the hook's calls of the lean kernel, so that a test sees which one ran."""
 
-    SWITCH = {"lean": "1", "upstream": "0"}
+    SWITCH = {"lean": True, "upstream": False}
 
-    def __init__(self, name, monkeypatch):
+    def __init__(self, name, monkeypatch, opd_override):
         self.name, self.lean_calls = name, []
-        monkeypatch.setenv(lean_topk.ENV, self.SWITCH[name])
+        opd_override(lean_topk=self.SWITCH[name])
         real = lean_topk.topk_outputs
 
         def counted(*args, **kwargs):
@@ -76,10 +76,10 @@ class TopkPath:
 
 
 @pytest.fixture(autouse=True)
-def topk_path(request, monkeypatch):
+def topk_path(request, monkeypatch, opd_override):
     """Upstream's top-k path (and our tail wrapper on it) unless a test asks for another one with
     `@pytest.mark.parametrize("topk_path", [...], indirect=True)`."""
-    return TopkPath(getattr(request, "param", "upstream"), monkeypatch)
+    return TopkPath(getattr(request, "param", "upstream"), monkeypatch, opd_override)
 
 
 @pytest.fixture(scope="module")

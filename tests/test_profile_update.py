@@ -5,9 +5,12 @@ import json
 import pytest
 import torch
 
+from opd_patches import config
 from opd_patches.hooks import profile_update
 from opd_patches.main import ConfigError, configure_ray
 from omegaconf import OmegaConf
+
+from conftest import worker_config_of
 
 
 class Actor:
@@ -28,11 +31,11 @@ class Worker:
         self.actor = Actor()
 
 
-def test_only_the_nth_update_is_profiled(tmp_path, monkeypatch):
-    monkeypatch.setenv(profile_update.ENV, profile_update.spec(2, tmp_path))
+def test_only_the_nth_update_is_profiled(tmp_path):
     worker = Worker()
-    profile_update.install(worker)
-    profile_update.install(worker)  # idempotent: one wrapper
+    with config.override(debug={"profile_update": 2}, run_dir=str(tmp_path)):  # as the driver resolves it
+        profile_update.install(worker)
+        profile_update.install(worker)  # idempotent: one wrapper
     assert [worker.actor.train_mini_batch(i) for i in range(3)] == [0, 1, 2]
     assert worker.actor.calls == [0, 1, 2]
     summary = json.loads((tmp_path / "profile_update_rank3.json").read_text())
@@ -41,8 +44,7 @@ def test_only_the_nth_update_is_profiled(tmp_path, monkeypatch):
     assert "aten::mm" in (tmp_path / "profile_update_rank3.txt").read_text()
 
 
-def test_off_without_the_env(tmp_path, monkeypatch):
-    monkeypatch.delenv(profile_update.ENV, raising=False)
+def test_off_by_default():
     worker = Worker()
     original = worker.actor.train_mini_batch
     profile_update.install(worker)
@@ -51,7 +53,14 @@ def test_off_without_the_env(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("bad", [0, -1, True, "2"])
 def test_bad_values_name_the_key(tmp_path, bad):
-    config = OmegaConf.create({"opd": {"teacher_placement": "colocated", "debug": {"profile_update": bad}},
-                               "ray_kwargs": {"ray_init": {}}, "trainer": {"n_gpus_per_node": 1, "nnodes": 1}})
+    composed = OmegaConf.create({"opd": {"teacher_placement": "colocated", "debug": {"profile_update": bad}},
+                                 "ray_kwargs": {"ray_init": {}}, "trainer": {"n_gpus_per_node": 1, "nnodes": 1}})
     with pytest.raises(ConfigError, match="opd.debug.profile_update"):
-        configure_ray(config, tmp_path)
+        configure_ray(composed, tmp_path)
+
+
+def test_the_key_reaches_the_workers_with_the_run_folder(tmp_path):
+    """The driver's config carries the update's number and the run folder the reports go to."""
+    worker = worker_config_of(tmp_path, debug={"profile_update": 3})
+    assert (worker.debug.profile_update, worker.run_dir) == (3, str(tmp_path))
+    assert worker_config_of(tmp_path).debug.profile_update is None

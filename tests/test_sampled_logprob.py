@@ -7,7 +7,6 @@ real VERL trainer on the CPU with the patch on and off (tests/flag_runs.py).
 
 import json
 import math
-from pathlib import Path
 
 import pytest
 import torch
@@ -160,21 +159,19 @@ def test_agrees_with_upstreams_fallback(dtype):
         assert (grad.double() - ref_grad).abs().max() <= (z.grad.double() - ref_grad).abs().max()
 
 
-def test_recipe_key_reaches_the_workers_env(tmp_path):
-    """opd.fast_logprobs -> OPD_FAST_LOGPROBS in Ray's runtime env (as opd.lean_topk -> OPD_LEAN_TOPK)."""
-    from omegaconf import OmegaConf
+def test_recipe_key_reaches_the_workers(tmp_path):
+    """opd.fast_logprobs -> the workers' config (OPD_CONFIG in Ray's runtime env) -> enabled() there."""
+    from composed import compose_recipe
+    from conftest import worker_config_of
+    from opd_patches import config
 
-    from conftest import ray_env_of
-    from opd_patches.main import ConfigError
-
-    def env_of(value):
-        return ray_env_of(tmp_path, fast_logprobs=value)
-
-    assert env_of(True)[sl.ENV] == "1" and env_of(False)[sl.ENV] == "0"
-    assert sl.ENV not in env_of(None)
-    with pytest.raises(ConfigError, match="opd.fast_logprobs"):
-        env_of("yes")
-    assert OmegaConf.load(Path(__file__).resolve().parents[1] / "recipes" / "base.yaml").opd.fast_logprobs is True
+    assert worker_config_of(tmp_path, fast_logprobs=False).fast_logprobs is False
+    assert worker_config_of(tmp_path).fast_logprobs is True is compose_recipe("k1").opd.fast_logprobs
+    with pytest.raises(config.ConfigError, match="opd.fast_logprobs"):
+        worker_config_of(tmp_path, fast_logprobs="yes")
+    assert sl.enabled()
+    with config.override(fast_logprobs=False):
+        assert not sl.enabled()
 
 
 # ---- end to end: the real VERL trainer (2 CPU steps, tiny models) with the patch on and off ----------

@@ -17,11 +17,9 @@ import os
 import subprocess
 import sys
 from functools import partial
-from pathlib import Path
 
 import pytest
 import torch
-from omegaconf import OmegaConf
 from fresh_verl import facts
 from test_config import compose_recipe
 # fixtures; topk_path is autouse: upstream's top-k path unless a test asks for another
@@ -44,6 +42,7 @@ from test_loss_invariance import (  # noqa: F401
 )
 
 import opd_patches
+from opd_patches import config as opd_config
 from opd_patches.main import ConfigError, apply_old_log_prob
 from opd_patches.teacher import old_log_prob as olp
 
@@ -60,7 +59,7 @@ def resolved(recipe, *overrides):
 
 @pytest.mark.parametrize("recipe, mode", [("k1", olp.FROM_UPDATE), ("topk", olp.SKIP), ("topk_tail", olp.SKIP)])
 def test_recipes_resolve_auto(recipe, mode):
-    assert OmegaConf.load(Path(__file__).resolve().parents[1] / "recipes" / "base.yaml").opd.skip_old_log_prob == "auto"
+    assert compose_recipe(recipe).opd.skip_old_log_prob == "auto"
     assert resolved(recipe) == mode
     assert resolved(recipe, "opd.skip_old_log_prob=true") == mode
     assert resolved(recipe, "opd.skip_old_log_prob=false") == olp.COMPUTE
@@ -252,15 +251,16 @@ def test_guard_upstream_shapes():
 
 
 def run_detached(code: str) -> None:
-    """Run `code` (ending in print('ok')) in a fresh process with OPD_ENTROPY_DETACHED=1, as Ray workers get it."""
-    env = {**os.environ, "OPD_ENTROPY_DETACHED": "1"}
+    """Run `code` (ending in print('ok')) in a fresh process whose config says the update's entropy is a metric
+    only (entropy_detached), as a skipping run's Ray workers get it."""
+    env = {**os.environ, **opd_config.env(entropy_detached=True)}
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-2000:]
 
 
 @pytest.mark.fresh_process
 def test_entropy_detached_in_a_fresh_process():
-    """With OPD_ENTROPY_DETACHED=1 (main sets it in every Ray process), the entropy keeps no graph and has the
+    """With entropy_detached in the run's config (main resolves it for every Ray process), the entropy keeps no graph and has the
     original's values (a colocated run's Ray process: tests/fresh_verl.py)."""
     assert facts("colocated")["entropy_detached"] == {"entropy_from_logits": True, "entropy_from_logits_with_chunking": True}
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 from dist_group import single_rank_gloo
 
+from opd_patches import config
 from opd_patches.ops import finish, receipts, state_writer
 from opd_patches.patches import fsdp_save_checkpoint, registry
 
@@ -129,20 +130,23 @@ def test_save_returns_before_the_write_and_keeps_the_state_of_the_call(process_g
 
 
 def test_patch_routes_upstream_saves_to_the_writer(process_group, tmp_path, monkeypatch):
-    """patches/fsdp_save_checkpoint.py as the worker applies it (env on): same files as the original's, written by the thread."""
+    """patches/fsdp_save_checkpoint.py as a run's worker applies it: same files as the original's, written by the thread."""
     from verl.utils.checkpoint import fsdp_checkpoint_manager as module
 
     model, optim = _trained(2)
     _manager(model, optim).save_checkpoint(str(tmp_path / "sync"), global_step=1)
     original = module.FSDPCheckpointManager.save_checkpoint
-    monkeypatch.setenv(state_writer.ENV, "1")
     seen = []
     monkeypatch.setattr(state_writer._WRITER, "_save", lambda obj, path, *a, **k: (seen.append(path),
                                                                                    torch.save(obj, path, *a, **k)))
     record = None
     try:
-        record = fsdp_save_checkpoint.apply()
-        assert fsdp_save_checkpoint.apply() is record  # idempotent: one record, one wrapper
+        assert fsdp_save_checkpoint.apply() is None  # outside a run: upstream's synchronous save
+        with config.override(background_state_write=False, run_dir=str(tmp_path)):
+            assert fsdp_save_checkpoint.apply() is None  # a run with the key off
+        with config.override(run_dir=str(tmp_path)):  # a run's worker, opd.background_state_write at its default
+            record = fsdp_save_checkpoint.apply()
+            assert fsdp_save_checkpoint.apply() is record  # idempotent: one record, one wrapper
         assert module.FSDPCheckpointManager.save_checkpoint is record.replacement
         assert record.replacement.__wrapped__ is original
         _manager(model, optim).save_checkpoint(str(tmp_path / "async"), global_step=1)

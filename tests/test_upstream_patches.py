@@ -27,7 +27,7 @@ from verl.workers.config.distillation import DistillationTeacherModelConfig
 from verl.workers.rollout import base as rollout_base
 
 import opd_patches
-from opd_patches import patches
+from opd_patches import config, patches
 from opd_patches.patches import registry
 from opd_patches.patches.init_process_group import dedupe_backend
 
@@ -156,7 +156,7 @@ BASELINE = sorted({u.module for _, u in DECLARED} | {
 
 # Imports BASELINE (no opd_patches), records every upstream module's attributes, the attributes of the
 # classes it defines and the entries of the plain dicts among both; then registers opd_patches with every
-# switch on (OPD_ENTROPY_DETACHED, OPD_ASYNC_STATE_WRITE), imports RUNTIME and records again. Prints one JSON
+# switch on (a run's config with entropy_detached and background_state_write), imports RUNTIME and records again. Prints one JSON
 # line: each difference (added or changed) with its names "<module>.<qualname>[<key>]", and the registry's records.
 _DIFF = textwrap.dedent(
     """
@@ -223,7 +223,7 @@ _DIFF = textwrap.dedent(
 @pytest.fixture(scope="module")
 def changes():
     env = {k: v for k, v in os.environ.items() if k not in ("VERL_USE_EXTERNAL_MODULES", "VERL_PLATFORM")}
-    env.update(OPD_ENTROPY_DETACHED="1", OPD_ASYNC_STATE_WRITE="1")
+    env.update(config.env(entropy_detached=True, background_state_write=True, run_dir="/nonexistent-run"))
     proc = subprocess.run([sys.executable, "-c", _DIFF, json.dumps(BASELINE), json.dumps(RUNTIME)], env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -503,7 +503,7 @@ def test_lean_mode_of_the_wrapper_gives_the_originals_outputs(monkeypatch, loss_
     import torch
     from verl.trainer.distillation.fsdp import losses as fsdp_losses
 
-    from opd_patches.losses import lean_topk
+    from opd_patches import config as opd_config
 
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(1, 11, 50, generator=gen) * 3
@@ -514,10 +514,10 @@ def test_lean_mode_of_the_wrapper_gives_the_originals_outputs(monkeypatch, loss_
         loss_mode=loss_mode, log_prob_min_clamp=-10.0, use_chunked_topk=False))
     results = {}
     for mode in ("0", "1"):
-        monkeypatch.setenv(lean_topk.ENV, mode)
-        z = logits.clone().requires_grad_(True)
-        out = fsdp_losses.compute_forward_kl_topk(z, *nested, config, "thd")
-        sum(out[k].sum() for k in ("distillation_losses", "tail_losses") if k in out).backward()
+        with opd_config.override(lean_topk=mode == "1"):
+            z = logits.clone().requires_grad_(True)
+            out = fsdp_losses.compute_forward_kl_topk(z, *nested, config, "thd")
+            sum(out[k].sum() for k in ("distillation_losses", "tail_losses") if k in out).backward()
         results[mode] = (out, z.grad)
     (plain, g0), (lean, g1) = results["0"], results["1"]
     assert set(plain) == set(lean) and ("tail_losses" in lean) == (loss_mode == "forward_kl_topk_tail")
@@ -569,14 +569,13 @@ def test_the_engines_logprobs_call_takes_the_patched_path(monkeypatch, fast):
     import verl.utils.torch_functional as verl_F
     from verl.workers.engine.fsdp import transformer_impl
 
-    from opd_patches.losses import sampled_logprob
 
     if verl_F.FLAH_ATTN_CROSS_ENTROPY_LOSS_AVAILABLE or verl_F.NPU_CROSS_ENTROPY_LOSS_AVAILABLE:
         pytest.skip("flash-attn or torch_npu installed: upstream's own kernel runs, the fallback is never hit")
-    monkeypatch.setenv(sampled_logprob.ENV, fast)
     logits = torch.randn(7, 50, dtype=torch.bfloat16, requires_grad=True)
     labels = torch.randint(0, 50, (7,))
-    out = transformer_impl.logprobs_from_logits(logits=logits, labels=labels, inplace_backward=True)
+    with config.override(fast_logprobs=fast == "1"):
+        out = transformer_impl.logprobs_from_logits(logits=logits, labels=labels, inplace_backward=True)
     nodes = [out.grad_fn] + [fn for fn, _ in out.grad_fn.next_functions if fn is not None]
     taken = [type(fn).__name__ for fn in nodes]  # the kernel's node sits under a view
     assert any("SampledLogprob" in name for name in taken) == (fast == "1"), taken

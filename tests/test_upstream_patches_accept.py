@@ -29,8 +29,8 @@ PATCHED = ["init_process_group", "validate_topk_logprobs", "compute_forward_kl_t
            "logprobs_from_logits_v2", "distillation_ppo_loss"]
 # The others, and where what they accept is tested.
 ELSEWHERE = {
-    "entropy_from_logits": "tests/test_skip_old_log_prob.py (only with OPD_ENTROPY_DETACHED=1; same values, detached)",
-    "fsdp_save_checkpoint": "tests/test_state_writer.py (only with OPD_ASYNC_STATE_WRITE=1; the same files)",
+    "entropy_from_logits": "tests/test_skip_old_log_prob.py (only where the entropy is a metric; same values, detached)",
+    "fsdp_save_checkpoint": "tests/test_state_writer.py (only in a run with opd.background_state_write; the same files)",
     "rollout_registry": "adds an entry upstream lacks: every name upstream resolves, it resolves as before",
     "replay_poll_interval": "a number, not a function: tests/test_replay_poll.py",
     "replay_wait_for_next_poll": "tests/test_liveness.py (the wait's own return value passes through)",
@@ -174,12 +174,12 @@ LOSS_CONFIGS = {
 
 @pytest.mark.parametrize("lean", ["0", "1"])
 @pytest.mark.parametrize("case", LOSS_CONFIGS)
-def test_topk_logits_processor_returns_the_originals_outputs(monkeypatch, lean, case):
+def test_topk_logits_processor_returns_the_originals_outputs(opd_override, lean, case):
     from verl.trainer.distillation.fsdp import losses as fsdp_losses
 
     from opd_patches.losses import lean_topk
 
-    monkeypatch.setenv(lean_topk.ENV, lean)
+    opd_override(lean_topk=lean == "1")
     config = SimpleNamespace(distillation_loss=SimpleNamespace(**LOSS_CONFIGS[case]))
     results = []
     for fn in (fsdp_losses.compute_forward_kl_topk, fsdp_losses.compute_forward_kl_topk.__wrapped__):
@@ -204,12 +204,10 @@ def test_topk_logits_processor_returns_the_originals_outputs(monkeypatch, lean, 
         assert torch.equal(got_grad, want_grad)
 
 
-def test_topk_logits_processor_refuses_padded_teacher_tensors_as_the_original(monkeypatch):
+def test_topk_logits_processor_refuses_padded_teacher_tensors_as_the_original(opd_override):
     from verl.trainer.distillation.fsdp import losses as fsdp_losses
 
-    from opd_patches.losses import lean_topk
-
-    monkeypatch.setenv(lean_topk.ENV, "1")
+    opd_override(lean_topk=True)
     logits, logprobs, ids = _topk_inputs()
     config = SimpleNamespace(distillation_loss=SimpleNamespace(log_prob_min_clamp=None, loss_mode="forward_kl_topk"))
     for fn in (fsdp_losses.compute_forward_kl_topk, fsdp_losses.compute_forward_kl_topk.__wrapped__):
@@ -256,12 +254,10 @@ def test_registered_forward_kl_topk_adds_only_clamped_frac(losses, clamped):
 @pytest.mark.parametrize("fast", ["0", "1"])
 @pytest.mark.parametrize("shape", [(2, 3, 11), (4, 11), (0, 11)], ids=str)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=str)
-def test_logprobs_fallback_returns_the_originals_values(monkeypatch, fast, shape, dtype):
+def test_logprobs_fallback_returns_the_originals_values(opd_override, fast, shape, dtype):
     import verl.utils.torch_functional as verl_F
 
-    from opd_patches.losses import sampled_logprob
-
-    monkeypatch.setenv(sampled_logprob.ENV, fast)
+    opd_override(fast_logprobs=fast == "1")
     gen = torch.Generator().manual_seed(0)
     logits = (torch.randn(shape, generator=gen) * 3).to(dtype)
     labels = torch.randint(0, shape[-1], shape[:-1], generator=gen)

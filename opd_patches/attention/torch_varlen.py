@@ -22,8 +22,10 @@ import weakref
 
 import torch
 
+from opd_patches.config import ATTN_IMPLEMENTATIONS
+
 NAME = "torch_varlen"
-CHOICES = ("auto", "flash_attention_2", NAME, "sdpa", "eager")
+CHOICES = ATTN_IMPLEMENTATIONS  # opd.attn_implementation's values (NAME among them)
 
 
 def flash_attn_installed() -> bool:

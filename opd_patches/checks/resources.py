@@ -38,6 +38,7 @@ import os
 import shutil
 from pathlib import Path
 
+from opd_patches import config as opd_config
 from opd_patches.checks import InputError
 
 DTYPE_BYTES = {"fp32": 4, "float32": 4, "float": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2, "half": 2}
@@ -187,12 +188,12 @@ def states_at_peak(config) -> tuple[int, str]:
     # upstream saves every save_freq steps and at the last one; a wall-clock stop at step s makes s // freq + 1
     saves = (-(-int(steps) // freq) if freq > 0 else 1) if steps else None
     why = f"trainer.total_training_steps={steps}, trainer.save_freq={freq}"
-    only = _select(config, "opd.debug.save_steps")
+    only = opd_config.of(config).debug.save_steps
     if only is not None:  # the bench's saves: these steps only
         saves, why = len(only), f"opd.debug.save_steps={list(only)}"
     if keep is None or int(keep) <= 0:  # no pruning: every save stays
         return (saves or 1), f"every save kept (trainer.max_actor_ckpt_to_keep={keep}; {why})"
-    kept = int(keep) if _select(config, "opd.validate_after_save", True) else 1
+    kept = int(keep) if opd_config.of(config).validate_after_save else 1
     if saves is not None and saves < kept + 1:
         return saves, f"the run's {saves} save{'s' * (saves != 1)} ({why})"
     return kept + 1, f"{kept} kept + 1 in flight"
@@ -235,7 +236,7 @@ def _memory(config, student: Path, params: int, teacher: tuple[int, str] | None,
     pinned = str(_select(config, "trainer.device", "cuda")) == "cuda"
     parts = []  # (what, bytes, the setting that removes it)
     fsdp2 = _select(config, "actor_rollout_ref.actor.strategy") == "fsdp2"  # FSDP1's files are written in place
-    if _select(config, "opd.background_state_write", True) and fsdp2:
+    if opd_config.of(config).background_state_write and fsdp2:
         shards = shard_bytes(parameter_shapes(student), gpus * nodes, range(gpus), element, pinned)
         parts.append(("state snapshot", (1 + ADAMW_MOMENTS) * shards,  # parameters + moments, one block per shard
                       "opd.background_state_write=false (saves then wait for the disk)"))
@@ -266,8 +267,8 @@ def check_resources(config, free=free_disk, memory=available_memory, log=print) 
     student_key = "actor_rollout_ref.model.path"
     paths = {student_key: _select(config, student_key)}
     teachers = _select(config, "distillation.teacher_models", {}) or {}
-    parked = (_select(config, "opd.teacher_placement", "colocated") == "colocated"
-              and _select(config, "opd.teacher_offload", True) and len(teachers) == 1)
+    parked = (opd_config.of(config).teacher_placement == "colocated"
+              and opd_config.of(config).teacher_offload and len(teachers) == 1)
     if parked:
         teacher_key = f"distillation.teacher_models.{next(iter(teachers))}"
         paths[f"{teacher_key}.model_path"] = _select(config, f"{teacher_key}.model_path")
@@ -295,7 +296,7 @@ def check_resources(config, free=free_disk, memory=available_memory, log=print) 
     refusals = [r for r in (disk_refusal, memory_refusal) if r]
     if refusals:
         message = " Also, ".join(refusals)
-        if not _select(config, "opd.force", False):
+        if not opd_config.of(config).force:
             raise InputError(f"{message} opd.force=true (run.sh: FORCE=1) starts anyway.")
         log(f"[opd] resources: opd.force=true, starting anyway: {message}", flush=True)
     line = f"[opd] resources: {disk_line}; {memory_line}"

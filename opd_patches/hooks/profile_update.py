@@ -9,38 +9,37 @@ CUDA activity and writes to the run folder:
   by self CUDA time and by CPU time (torch.profiler's key_averages tables);
 - `profile_update_rank<r>.json`: the same totals and the top operators, for scripts.
 Every call prints its wall-clock stamps (the trainer prints its own around `update_actor`, so the
-log shows the time outside the worker's loop); N past the last update times them only. Selected through env OPD_PROFILE_UPDATE (set by opd_patches/main.py from the key).
+log shows the time outside the worker's loop); N past the last update times them only. Read from the run's
+config (opd_patches/config.py: `debug.profile_update`, reports in `run_dir`).
 """
 
 import json
-import os
 import time
 from pathlib import Path
 
-ENV = "OPD_PROFILE_UPDATE"  # "<N>:<folder>"
+from opd_patches import config
+
 ROWS = 40
 
 
-def spec(value, run_dir) -> str | None:
-    """The env value for recipe value `value` (null: off), or ValueError naming the key."""
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"opd.debug.profile_update={value!r}: use the update's number (1 = the first) or null.")
-    return f"{value}:{run_dir}"
+def requested() -> int | None:
+    """The update to profile in this run (`opd.debug.profile_update`), None when off."""
+    return config.current().debug.profile_update
 
 
 def install(worker) -> None:
-    """Wrap `worker.actor.train_mini_batch` when OPD_PROFILE_UPDATE asks for it (idempotent; the run-time
-    patch opd_patches/patches/train_mini_batch.py)."""
+    """Wrap `worker.actor.train_mini_batch` when `opd.debug.profile_update` asks for it (idempotent; the
+    run-time patch opd_patches/patches/train_mini_batch.py). Reports go to the run folder."""
     from opd_patches.patches import train_mini_batch
 
-    value = os.environ.get(ENV)
+    n, run_dir = requested(), config.current().run_dir
     actor = getattr(worker, "actor", None)
-    if not value or actor is None:
+    if n is None or actor is None:
         return
-    n, folder = value.split(":", 1)
-    n, folder, rank = int(n), Path(folder), getattr(worker, "rank", 0)
+    if run_dir is None:
+        raise RuntimeError("opd.debug.profile_update: no run folder in this process's config (opd_patches.main sets "
+                           "it); a test sets one with opd_patches.config.override(run_dir=...).")
+    folder, rank = Path(run_dir), getattr(worker, "rank", 0)
     calls = [0]
 
     def around(original, *args, **kwargs):

@@ -37,8 +37,8 @@ Memory (T tokens, V vocabulary, bf16 logits as the actor's autocast lm_head prod
 Numerics: fp32 throughout per chunk (matches upstream's default path to fp32 rounding); the gradient is
 returned in the input's dtype (as autocast's cast-back does upstream). Chunk size changes memory only.
 
-Kernel path (`LeanTopK` only; `LeanTopKFromHidden` stays on torch): env OPD_LEAN_TOPK_KERNEL = auto
-(default: lean_topk_triton's fused kernels where they can run, i.e. CUDA, else torch) | triton | torch.
+Kernel path (`LeanTopK` only; `LeanTopKFromHidden` stays on torch): `opd.lean_topk_kernel` = auto
+(lean_topk_triton's fused kernels where they can run, i.e. CUDA, else torch) | triton | torch.
 The forward kernel returns lse, lse_out and per id the count of logits strictly greater than z[id_j]
 over the whole (T, V) at once (O(T) outputs, no chunk loop); `_token_terms` computes every O(T*K)
 quantity for both paths; the backward kernel writes the gradient of `_chunk_grad`'s formula once.
@@ -46,44 +46,34 @@ Tie convention of the overlap diagnostics (`overlap_count`, `overlap_token_advan
 loss): on the kernel path a teacher id counts as in the student's top-k when fewer than K logits are
 strictly greater than its logit; torch.topk breaks ties arbitrarily, so the paths agree where there
 are no ties. The kernel path needs no scratch beyond O(T*K).
-Selection: `opd.lean_topk` (recipes/base.yaml) -> env OPD_LEAN_TOPK in every Ray worker ->
-`enabled()`; the hook is opd_patches/patches/compute_forward_kl_topk.py. `DEFAULT_ENABLED` applies when the variable is unset.
+Selection: `opd.lean_topk` (opd_patches/config.py) -> `enabled()` in every Ray worker; the hook is
+opd_patches/patches/compute_forward_kl_topk.py.
 Shapes: logits (T, V) or hidden (T, H) + weight (V, H); teacher ids/log-probs (T, K); outputs (T,).
 """
 
 import math
-import os
 
 import torch
 import torch.nn.functional as F
 
+from opd_patches import config
 from opd_patches.losses import lean_topk_triton
-from opd_patches.losses.switch import env_switch
 from opd_patches.losses.tail_kl import _LOG_FLOOR, TAIL_EPS, log1mexp
 
-# On by default: in the update at the 1.5B architecture it holds well under half of upstream's peak memory,
-# in less time with the Triton kernels and in about the same with the torch path alone (docs/performance.md,
-# the kernels phase).
-DEFAULT_ENABLED = True
-ENV = "OPD_LEAN_TOPK"
 LOSS_MODES = ("forward_kl_topk", "forward_kl_topk_tail")
 DEFAULT_CHUNK = 2048  # tokens per chunk: (2048, 151936) fp32 is 1.2 GiB of scratch per buffer
 _LOG_TAIL_EPS = math.log(TAIL_EPS)
-KERNEL_ENV = "OPD_LEAN_TOPK_KERNEL"
-KERNEL_CHOICES = ("auto", "triton", "torch")  # auto: triton where lean_topk_triton.available, else torch
+KERNEL_CHOICES = config.LEAN_TOPK_KERNELS
 
 
 def enabled() -> bool:
-    """Whether the VERL hook routes top-k losses through the lean path (env OPD_LEAN_TOPK=0/1)."""
-    return env_switch(ENV, DEFAULT_ENABLED, "opd.lean_topk")
+    """Whether the VERL hook routes top-k losses through the lean path (`opd.lean_topk`)."""
+    return config.current().lean_topk
 
 
 def kernel_choice() -> str:
-    """The O(T*V) implementation of LeanTopK: env OPD_LEAN_TOPK_KERNEL, one of KERNEL_CHOICES (unset: auto)."""
-    value = os.environ.get(KERNEL_ENV) or "auto"
-    if value not in KERNEL_CHOICES:
-        raise ValueError(f"{KERNEL_ENV}={value!r}: use one of {', '.join(KERNEL_CHOICES)} (unset means auto).")
-    return value
+    """The O(T*V) implementation of LeanTopK: `opd.lean_topk_kernel`, one of KERNEL_CHOICES."""
+    return config.current().lean_topk_kernel
 
 
 def _use_triton(device) -> bool:
@@ -93,8 +83,9 @@ def _use_triton(device) -> bool:
     ok = lean_topk_triton.available(device)
     if choice == "triton" and not ok:
         raise RuntimeError(
-            f"{KERNEL_ENV}=triton, but the Triton kernels cannot run on {device}: they need triton installed "
-            f"and a CUDA device (or TRITON_INTERPRET=1, the CPU interpreter). Set {KERNEL_ENV}=auto or torch.")
+            f"opd.lean_topk_kernel=triton, but the Triton kernels cannot run on {device}: they need triton "
+            "installed and a CUDA device (or TRITON_INTERPRET=1, the CPU interpreter). Set opd.lean_topk_kernel=auto "
+            "or torch.")
     return ok
 
 

@@ -28,8 +28,7 @@ lm_head output) and the labels. Backward: the (T, V) gradient in the logits' dty
 lm_head's backward anyway) plus one (chunk, V) fp32 scratch; no (T, V) fp32 tensor is ever held.
 `chunk` changes memory and speed only, never values.
 
-Selection: `opd.fast_logprobs` (recipes/base.yaml) -> env OPD_FAST_LOGPROBS in every Ray worker ->
-`enabled()`; DEFAULT_ENABLED applies when the variable is unset.
+Selection: `opd.fast_logprobs` (opd_patches/config.py) -> `enabled()` in every Ray worker.
 Shapes: logits (..., V), labels (...) integer -> log-probs (...).
 """
 
@@ -37,17 +36,15 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-from opd_patches.losses.switch import env_switch
+from opd_patches import config
 
-ENV = "OPD_FAST_LOGPROBS"
-DEFAULT_ENABLED = True
 IGNORE_INDEX = -100
 CHUNK_BYTES = 256 * 2**20  # fp32 scratch per chunk: 441 tokens at V = 151,936
 
 
 def enabled() -> bool:
-    """Whether upstream's fallback is replaced by this path (env OPD_FAST_LOGPROBS=0/1; unset: default)."""
-    return env_switch(ENV, DEFAULT_ENABLED, "opd.fast_logprobs")
+    """Whether upstream's fallback is replaced by this path (`opd.fast_logprobs`)."""
+    return config.current().fast_logprobs
 
 
 def default_chunk(vocab: int) -> int:

@@ -5,7 +5,7 @@
         [--validation-json JSON (done by the trainer)] [--hold-s S (tests)]
     python -m opd_patches.ops.finish validate EXPORT [opd_patches.ops.validate's options]   (what the CPU child runs)
 
-With `opd.background_save: true` (recipes/base.yaml) the trainer starts this as a subprocess right
+With `opd.background_save: true` (opd_patches/config.py) the trainer starts this as a subprocess right
 after upstream's save and trains on; otherwise it calls `finish()` in-process. Either way the order
 is the same: the end of the state files' background writes (state_writer.py; the model files only, when the
 export is built here), the HF export's weights built from those files (`opd.background_export`, state_export.py), export validation

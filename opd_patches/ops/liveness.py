@@ -18,8 +18,6 @@ from typing import Any, Callable
 
 from opd_patches.patches import replay_wait_for_next_poll
 
-DEFAULT_EVERY_S = 30.0
-
 
 class RolloutActorDied(RuntimeError):
     """A rollout-side actor died: the samples the trainer waits for will never arrive."""
@@ -61,7 +59,7 @@ def dead(actors: dict[str, Any], timeout_s: float = 10.0) -> list[str]:
     return out
 
 
-def install(replay_buffer, actors: Callable[[], dict[str, Any]], every_s: float = DEFAULT_EVERY_S) -> None:
+def install(replay_buffer, actors: Callable[[], dict[str, Any]], every_s: float) -> None:
     """Check `actors()` every `every_s` seconds spent waiting in `replay_buffer`'s poll loop (the run-time patch
     opd_patches/patches/replay_wait_for_next_poll.py)."""
     due = [time.monotonic() + every_s]

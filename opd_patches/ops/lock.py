@@ -38,7 +38,7 @@ from opd_patches.ops import gpu
 
 ENV_TOKEN = "OPD_LOCK_HELD"
 LOCK_NAME = "run.lock"
-EXIT_BUSY = 75  # sysexits EX_TEMPFAIL: try again later (3 is the non-finite guard's, ops/summary.py)
+EXIT_BUSY = 75  # sysexits EX_TEMPFAIL: try again later (3 is the non-finite guard's, ops/run_summary.py)
 FORCE_HINT = "force with opd.force=true / FORCE=1"
 
 

@@ -3,7 +3,7 @@
 VERL's `FSDPCheckpointManager.save_checkpoint` (verl/utils/checkpoint/fsdp_checkpoint_manager.py) writes
 each rank's model, optimizer and extra state with `torch.save(obj, path)`: at 1.5B that is 21.3 GB
 from GPU memory, tens of seconds during which the trainer waits (docs/performance.md). With `opd.background_state_write`
-(env OPD_ASYNC_STATE_WRITE=1; the run-time patch opd_patches/patches/fsdp_save_checkpoint.py routes those three
+(in a run's workers; the run-time patch opd_patches/patches/fsdp_save_checkpoint.py routes those three
 calls here):
 
 - the call copies every tensor of `obj` to host memory (a snapshot: training goes on and updates the
@@ -31,9 +31,9 @@ from pathlib import Path
 
 import torch
 
+from opd_patches import config
 from opd_patches.ops.receipts import FAILED, PARTIAL, WRITING  # the markers; the finish waits on them
 
-ENV = "OPD_ASYNC_STATE_WRITE"
 # Snapshots of CUDA tensors go to page-locked host memory, several times faster than to pageable memory;
 # pinning costs once (the first save), then torch's caching host allocator reuses the blocks, so the
 # process keeps one state's size pinned (make bench PHASE=save, docs/performance.md).
@@ -41,7 +41,10 @@ PINNED = True
 
 
 def enabled() -> bool:
-    return os.environ.get(ENV) == "1"
+    """`opd.background_state_write` in a run's worker. Outside a run (no run folder in the config) upstream
+    saves synchronously: only a run's finish waits for the writes before it hashes the state."""
+    opd = config.current()
+    return opd.background_state_write and opd.run_dir is not None
 
 
 def snapshot(obj):

@@ -5,7 +5,7 @@ Why: the tail term of `forward_kl_topk_tail` needs the student logits, which exi
 forward pass, where VERL calls this function for every top-k loss (`compute_topk_loss` reads it from its
 module on every call). The wrapper runs it unchanged and, for the tail loss only, adds one more per-token
 output (`tail_losses`).
-Memory-lean mode: when `opd.lean_topk` is on (env OPD_LEAN_TOPK=1, losses/lean_topk.py), the same wrapper
+Memory-lean mode: when `opd.lean_topk` is on (opd_patches/config.py, losses/lean_topk.py), the same wrapper
 computes both top-k losses with the memory-lean exact kernel instead of calling the original; the outputs
 (keys, shapes, values, gradients) are the original's.
 Accepts: without a loss_mode it knows (upstream's tests pass a namespace with no loss_mode; any other

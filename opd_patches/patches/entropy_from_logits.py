@@ -1,5 +1,6 @@
 """Changes `verl.utils.torch_functional.entropy_from_logits` and `entropy_from_logits_with_chunking`
-(utils/torch_functional.py:231 and :248 in VERL 0.9.1), where OPD_ENTROPY_DETACHED=1.
+(utils/torch_functional.py:231 and :248 in VERL 0.9.1), in the workers of a run whose update computes the
+entropy only as a metric (`entropy_detached` in opd_patches/config.py, resolved by opd_patches.main).
 
 Why: with the student's old-log-prob pass skipped (`opd.skip_old_log_prob`), the update computes the
 entropy only for the `actor/entropy` metric; at entropy_coeff 0 it contributes 0 to the loss, so both
@@ -11,10 +12,10 @@ Accepts: the original's values for every input it takes, detached.
 """
 
 import functools
-import os
 
 import torch
 
+from opd_patches import config
 from opd_patches.patches import registry
 from opd_patches.patches.registry import Upstream
 
@@ -28,7 +29,6 @@ RELIES_ON = (
     Upstream("verl.workers.engine.fsdp.transformer_impl", "FSDPEngine.__init__",
              source=("verl_F.entropy_from_logits_with_chunking", "verl_F.entropy_from_logits\n")),
 )
-ENV = "OPD_ENTROPY_DETACHED"
 ENTROPY_ROWS = 4096  # rows per chunk of the metric-only entropy (a 4096 x 151,936 bf16 softmax: 1.2 GB)
 
 
@@ -55,7 +55,7 @@ def _wrap(name):
 
 
 def apply():
-    if os.environ.get(ENV) != "1":
+    if not config.current().entropy_detached:
         return
     import verl.utils.torch_functional as verl_F
 

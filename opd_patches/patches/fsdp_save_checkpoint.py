@@ -1,5 +1,6 @@
 """Changes `verl.utils.checkpoint.fsdp_checkpoint_manager.FSDPCheckpointManager.save_checkpoint`
-(utils/checkpoint/fsdp_checkpoint_manager.py:272 in VERL 0.9.1), where OPD_ASYNC_STATE_WRITE=1, and, for
+(utils/checkpoint/fsdp_checkpoint_manager.py:272 in VERL 0.9.1) in a run's workers with
+`opd.background_state_write` on (ops/state_writer.py `enabled`), and, for
 the duration of each call, that module's global `torch`.
 
 Why: state files written in the background (`opd.background_state_write`, ops/state_writer.py).

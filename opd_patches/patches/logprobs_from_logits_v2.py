@@ -4,8 +4,8 @@ Why: without flash-attn, `logprobs_from_logits` falls back to `logprobs_from_log
 rows for bf16 logits (one log_softmax per token: far slower than one batched log_softmax).
 `logprobs_from_logits` reads `logprobs_from_logits_v2` from its module's globals on every call, so
 replacing that one module attribute reaches every `from ... import logprobs_from_logits` binding (the
-FSDP engine's included) and nothing else: flash-attn and NPU keep their paths. On (env OPD_FAST_LOGPROBS,
-key `opd.fast_logprobs`), it runs the exact chunked kernel of losses/sampled_logprob.py; off, the original.
+FSDP engine's included) and nothing else: flash-attn and NPU keep their paths. On (`opd.fast_logprobs`,
+opd_patches/config.py), it runs the exact chunked kernel of losses/sampled_logprob.py; off, the original.
 Accepts: off, the original. On, every (logits (..., V), labels (...)) the original takes, plus empty
 batches and IGNORE_INDEX labels (the original raises); fp32 values (fp64 for fp64): for bf16 logits the
 original returns bf16-rounded values, CUDA autocast upstream fp32 as here. No double backward

@@ -14,6 +14,8 @@ import torch
 from verl.plugin.platform.platform_base import PlatformBase
 from verl.plugin.platform.platform_manager import PlatformRegistry
 
+from opd_patches.config import CPU_DTYPES
+
 
 class _CPUDeviceModule(ModuleType):
     """Stands in for `torch.cuda` where VERL calls `get_torch_device().<fn>()`."""
@@ -137,7 +139,7 @@ def selected() -> bool:
     return os.environ.get("VERL_PLATFORM", "").strip().lower() == "cpu"
 
 
-COMPUTE_DTYPES = ("auto", "float32", "bfloat16")
+COMPUTE_DTYPES = CPU_DTYPES  # opd.cpu_dtype's values
 BF16_FLAGS = ("amx_bf16", "avx512_bf16", "bf16", "sve_bf16")  # x86 (AMX, AVX512), Arm (NEON, SVE)
 
 

@@ -77,6 +77,8 @@ def compose(recipe: str, overrides=()):
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
+    from opd_patches import config  # noqa: F401  (registers recipes/base.yaml's opd_defaults node)
+
     with initialize_config_dir(config_dir=str(RECIPES), version_base=None):
         return hydra_compose(config_name=recipe, overrides=[SEARCHPATH, *overrides])
 

@@ -24,6 +24,8 @@ input; false = compute. With either skipping mode the entropy comes from the upd
 
 from omegaconf import DictConfig, OmegaConf
 
+from opd_patches import config as opd_config
+
 COMPUTE, SKIP, FROM_UPDATE = "compute", "skip", "from_update"
 MODES = (COMPUTE, SKIP, FROM_UPDATE)
 KEY = "opd.skip_old_log_prob"
@@ -41,7 +43,7 @@ ADV_WITHOUT_OLD = {
 def _blockers(config: DictConfig) -> list[str]:
     """Readers of old_log_probs outside the loss, or settings this mode does not cover."""
     out = []
-    if OmegaConf.select(config, "opd.teacher_placement") != "colocated":
+    if opd_config.of(config).teacher_placement != "colocated":
         out.append("opd.teacher_placement is not colocated (only the colocated_teacher trainer mode implements it)")
     if OmegaConf.select(config, "algorithm.use_kl_in_reward", default=False):
         out.append("algorithm.use_kl_in_reward=true (the reward KL penalty reads old_log_probs)")
@@ -60,9 +62,7 @@ def _blockers(config: DictConfig) -> list[str]:
 
 def resolve(config: DictConfig) -> tuple[str, str]:
     """(mode, one-line reason) for this config; raises ValueError naming the key when `true` cannot hold."""
-    value = OmegaConf.select(config, KEY, default="auto")
-    if value not in ("auto", True, False):
-        raise ValueError(f"{KEY}={value!r}: use auto, true or false.")
+    value = opd_config.of(config).skip_old_log_prob  # auto | True | False, checked there
     if value is False:
         return COMPUTE, f"{KEY}=false"
     loss = config.distillation.distillation_loss
@@ -101,7 +101,7 @@ def apply(config: DictConfig) -> str:
     from omegaconf import open_dict
 
     mode, reason = resolve(config)
-    if config.opd.teacher_placement == "colocated":
+    if opd_config.of(config).teacher_placement == "colocated":
         with open_dict(config):
             OmegaConf.update(config, "trainer.v1.colocated_teacher.old_log_prob", mode, force_add=True)
             if mode != COMPUTE:

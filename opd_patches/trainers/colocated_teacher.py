@@ -19,7 +19,6 @@ Settings, under `trainer.v1.colocated_teacher` (upstream's place for per-mode se
 """
 
 import dataclasses
-import os
 import time
 
 import ray
@@ -140,7 +139,7 @@ class ColocatedTeacherTrainer(OpsTrainerMixin, PPOTrainerSync):
             })
         start = time.time()
         out = super()._update_actor(batch, metrics)
-        if os.environ.get(profile_update.ENV):  # opd.debug.profile_update: stamps beside the worker's (bench only)
+        if profile_update.requested():  # opd.debug.profile_update: stamps beside the worker's (bench only)
             print(f"[opd] profile_update: trainer update_actor {start:.3f} -> {time.time():.3f}", flush=True)
         return out
 

@@ -24,7 +24,7 @@ upstream's fit loop already calls:
 - `<run>/run_summary.json` (summary.py) whenever the fit loop ends;
 - the replay buffer's poll (`opd.replay_poll_s`): upstream's sync sampler sleeps a fixed period between
   looks at TransferQueue while the rollout runs (`ReplayBuffer.poll_interval`, no config key), so every
-  generation takes a whole number of those periods (recipes/base.yaml, docs/learning.md).
+  generation takes a whole number of those periods (opd_patches/config.py, docs/learning.md).
 - a dead rollout-side actor (liveness.py, `opd.liveness_check_s`): checked while the trainer waits for a
   step's samples; the run stops with the actors named instead of waiting for ever.
 
@@ -46,6 +46,7 @@ from opd_patches.platforms import cpu as cpu_platform  # noqa: F401, I001
 from verl.trainer.ppo.v1.trainer_base import register_trainer
 from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 
+from opd_patches import config as opd_config
 from opd_patches.ops import checkpoints, finish, liveness
 from opd_patches.ops import nonfinite as guard
 from opd_patches.ops import run_summary as summary
@@ -58,10 +59,6 @@ TRACKER = "latest_checkpointed_iteration.txt"
 
 class _WallClockSpent(Exception):
     """The clock ran out before this process's first step: nothing new to save."""
-
-
-def _opd(config: DictConfig) -> DictConfig:
-    return config.get("opd") or DictConfig({})
 
 
 class OpsTrainerMixin:
@@ -79,38 +76,34 @@ class OpsTrainerMixin:
 
     def __init__(self, config: DictConfig):
         super().__init__(config)
-        opd = _opd(config)
+        opd = opd_config.of(config)  # typed; opd_patches.main resolved it (e.g. background_export)
         if config.actor_rollout_ref.actor.get("checkpoint", {}).get("async_save", False):
             raise ValueError("actor_rollout_ref.actor.checkpoint.async_save=true: receipts need synchronous saves; "
                              "set it to false.")
         self.ops_run_dir = Path(config.trainer.default_local_dir)
         self.ops_clock = WallClock(
-            None if opd.get("wall_clock_s") is None else float(opd.wall_clock_s),
-            reserve_s=float(opd.get("reserve_s") or 0.0),
-            margin=float(opd.get("wall_clock_margin") or 1.5),
-            launched_at=float(opd.get("launched_at") or time.time()),
+            opd.wall_clock_s, reserve_s=opd.reserve_s, margin=opd.wall_clock_margin,
+            # a trainer built without opd_patches.main (no launch time recorded) counts from its construction
+            launched_at=opd.launched_at if opd.launched_at is not None else time.time(),
         )
-        self.ops_validate = bool(opd.get("validate_after_save", True))
-        self.ops_validate_timeout = float(opd.get("validate_timeout_s") or 1800)
-        self.ops_background = bool(opd.get("background_save", True))
+        self.ops_validate = opd.validate_after_save
+        self.ops_validate_timeout = opd.validate_timeout_s
+        self.ops_background = opd.background_save
         # opd_patches.main took hf_model out of upstream's save_contents: the finish writes the export
-        self.ops_build_export = bool(opd.get("background_export", False))
+        self.ops_build_export = opd.background_export
         self._ops_finishing = None  # the background finish in flight: dict(proc, result, state, started, waited)
         self._ops_save_metrics = {}
         self._ops_tmp = None
-        debug = opd.get("debug") or {}
-        self.ops_inject_step = debug.get("inject_nan_step")
-        self.ops_inject_into = str(debug.get("inject_nan_into") or "loss")
+        debug = opd.debug  # TEST and BENCH ONLY switches (opd_patches/config.py DebugConfig)
+        self.ops_inject_step = debug.inject_nan_step
+        self.ops_inject_into = debug.inject_nan_into
         # TEST ONLY: the wall clock counts from the first step instead of the launch, so that a test's
         # clock does not depend on how long start-up took on a loaded machine.
-        self.ops_clock_from_first_step = bool(debug.get("wall_clock_from_first_step", False))
-        self.ops_finish_hold_s = float(debug.get("finish_hold_s") or 0.0)  # TEST ONLY: see recipes/base.yaml
-        self.ops_validate_in_child = bool(debug.get("validate_in_child", False))  # TEST ONLY: see recipes/base.yaml
+        self.ops_clock_from_first_step = debug.wall_clock_from_first_step
+        self.ops_finish_hold_s = debug.finish_hold_s or 0.0  # null: no hold
+        self.ops_validate_in_child = debug.validate_in_child
         self._ops_validator = None  # the final step's validating child, started at that step's beginning
-        saves = debug.get("save_steps")  # BENCH ONLY: save after these steps only (make bench PHASE=step)
-        self.ops_save_steps = None if saves is None else {int(x) for x in saves}
-        if self.ops_inject_into not in ("loss", "teacher"):
-            raise ValueError(f"opd.debug.inject_nan_into={self.ops_inject_into!r}: choose loss or teacher.")
+        self.ops_save_steps = None if debug.save_steps is None else set(debug.save_steps)
         self._ops_stop_reason = None
         self._ops_saved_step = None
         self._ops_last_done = 0
@@ -119,14 +112,8 @@ class OpsTrainerMixin:
         self._ops_expected_params = None
         # Upstream's ReplayBuffer takes poll_interval (seconds) only as a constructor argument that its builder
         # never passes; the attribute is what its wait reads (opd_patches/patches/replay_poll_interval.py).
-        poll = opd.get("replay_poll_s", 0.05)
-        if isinstance(poll, bool) or not isinstance(poll, (int, float)) or poll <= 0:
-            raise ValueError(f"opd.replay_poll_s={poll!r}: a positive number of seconds.")
-        replay_poll_interval.apply(self.replay_buffer, float(poll))
-        every = opd.get("liveness_check_s", liveness.DEFAULT_EVERY_S)
-        if isinstance(every, bool) or not isinstance(every, (int, float)) or every <= 0:
-            raise ValueError(f"opd.liveness_check_s={every!r}: a positive number of seconds.")
-        liveness.install(self.replay_buffer, lambda: liveness.rollout_actors(self), float(every))
+        replay_poll_interval.apply(self.replay_buffer, opd.replay_poll_s)
+        liveness.install(self.replay_buffer, lambda: liveness.rollout_actors(self), opd.liveness_check_s)
 
     # ---- resume ---------------------------------------------------------------------------
     def _load_checkpoint(self):

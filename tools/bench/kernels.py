@@ -8,7 +8,7 @@ Real paths are the functions VERL's actor calls (verl 0.9.1, fsdp strategy):
   `use_chunked_topk` false / true with its default chunk) then the registered loss's clamp at 0;
 - `topk_tail`: our wrapper with the lean mode off (upstream's function + the tail term);
 - `lean_topk`, `lean_topk_tail`: our wrapper with the lean mode on (losses/lean_topk.py), its O(T*V)
-  part by OPD_LEAN_TOPK_KERNEL=auto (the Triton kernels of losses/lean_topk_triton.py on CUDA, torch on
+  part by opd.lean_topk_kernel=auto (the Triton kernels of losses/lean_topk_triton.py on CUDA, torch on
   the CPU); `lean_topk_torch`, `lean_topk_tail_torch`: the same with the torch path forced;
 - `lean_fused_tail`: LeanTopKFromHidden (hidden states + lm_head weight; not hooked into VERL);
 - `logprob_upstream` / `logprob_patched`: `logprobs_from_logits` alone (the sampled-token log-prob of
@@ -26,43 +26,30 @@ elsewhere), next to the same without the optimizer step.
 """
 
 import contextlib
-import os
 from functools import partial
 from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
 
+from opd_patches import config
 from tools.bench.measure import measure, row
 
-TOPK_MODES = {  # row -> (loss_mode, lean env, use_chunked_topk, clamp at 0 like the registered loss)
-    "topk_default": ("forward_kl_topk", "0", False),
-    "topk_chunked": ("forward_kl_topk", "0", True),
-    "topk_tail": ("forward_kl_topk_tail", "0", False),
-    "lean_topk": ("forward_kl_topk", "1", False),
-    "lean_topk_tail": ("forward_kl_topk_tail", "1", False),
-    "lean_topk_torch": ("forward_kl_topk", "1", False),
-    "lean_topk_tail_torch": ("forward_kl_topk_tail", "1", False),
+TOPK_MODES = {  # row -> (loss_mode, opd.lean_topk, use_chunked_topk, clamp at 0 like the registered loss)
+    "topk_default": ("forward_kl_topk", False, False),
+    "topk_chunked": ("forward_kl_topk", False, True),
+    "topk_tail": ("forward_kl_topk_tail", False, False),
+    "lean_topk": ("forward_kl_topk", True, False),
+    "lean_topk_tail": ("forward_kl_topk_tail", True, False),
+    "lean_topk_torch": ("forward_kl_topk", True, False),
+    "lean_topk_tail_torch": ("forward_kl_topk_tail", True, False),
 }
-LEAN_KERNEL = {"lean_topk_torch": "torch", "lean_topk_tail_torch": "torch"}  # row -> OPD_LEAN_TOPK_KERNEL (else auto)
+LEAN_KERNEL = {"lean_topk_torch": "torch", "lean_topk_tail_torch": "torch"}  # row -> opd.lean_topk_kernel (else auto)
 FLOOR_REF = "ref_topk"  # the floor's loss: the dense recipe's maths (truncated top-k KL)
 REF_OF = {"logprob_upstream": "ref_logprob", "logprob_patched": "ref_logprob",
           "k1_pg": "ref_k1", "topk_default": "ref_topk", "topk_chunked": "ref_topk", "lean_topk": "ref_topk",
           "topk_tail": "ref_tail", "lean_topk_tail": "ref_tail", "lean_fused_tail": "ref_tail",
           "lean_topk_torch": "ref_topk", "lean_topk_tail_torch": "ref_tail"}
-
-
-@contextlib.contextmanager
-def lean_env(value, var="OPD_LEAN_TOPK"):
-    old = os.environ.get(var)
-    os.environ[var] = value
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop(var, None)
-        else:
-            os.environ[var] = old
 
 
 def autocast(size):
@@ -119,7 +106,7 @@ def loss_k1_pg(logits, d, size):
 def loss_logprob(fast, logits, d, size):
     from verl.utils.torch_functional import logprobs_from_logits
 
-    with lean_env(fast, var="OPD_FAST_LOGPROBS"):
+    with config.override(fast_logprobs=fast):
         lp = logprobs_from_logits(logits, d["labels"])
     return (lp.float() * d["old_lp"]).mean()  # a fixed per-token weight: a non-uniform gradient
 
@@ -129,7 +116,7 @@ def loss_topk(name, logits, d, size):
 
     mode, lean, chunked = TOPK_MODES[name]
     # LeanTopK picks its kernel in forward and keeps it for backward (which runs outside these contexts).
-    with lean_env(lean), lean_env(LEAN_KERNEL.get(name, "auto"), var="OPD_LEAN_TOPK_KERNEL"):
+    with config.override(lean_topk=lean, lean_topk_kernel=LEAN_KERNEL.get(name, "auto")):
         out = fsdp_losses.compute_forward_kl_topk(
             logits[None], _nested(d["lp"]), _nested(d["ids"]), _loss_config(mode, chunked, size), "thd")
     per_token = out["distillation_losses"]
@@ -183,7 +170,7 @@ def real_loss(name):
     if name == "k1_pg":
         return loss_k1_pg
     if name.startswith("logprob_"):
-        return partial(loss_logprob, "1" if name == "logprob_patched" else "0")
+        return partial(loss_logprob, name == "logprob_patched")
     return partial(loss_topk, name)
 
 

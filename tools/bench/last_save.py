@@ -2,7 +2,7 @@
 
     python -m tools.bench --phase lastsave [--workdir DIR] [--rounds N] [--lead-s S]   (make bench PHASE=lastsave)
 
-The last save of a run (final step or wall clock) is finished in the trainer's process (ops/trainer.py): the
+The last save of a run (final step or wall clock) is finished in the trainer's process (opd_patches/trainers/opd_sync.py): the
 trainer waits for upstream's save (with opd.background_state_write: the state's host snapshot) and then for
 the whole finish (ops/finish.py: the state's writes, the HF export built from them, its validation in a CPU
 child, the hashes, the receipt). This phase makes exactly those two calls on the size's model (fp32 under
