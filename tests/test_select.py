@@ -258,3 +258,16 @@ def test_an_evaluation_is_reused_only_with_the_settings_asked_for(tmp_path):
                                 {**spec, "samples": 2, "limit": 50})
     assert evaluate.settings_folder("addition_proxy", {**spec, "samples": 2, "max_new_tokens": 48}) == "addition_proxy"
     assert evaluate.settings_folder("aime", {**spec, "max_new_tokens": 8192}) == "aime-max_new_tokens=8192"
+
+
+def test_a_failed_evaluation_names_its_log_and_chooses_nothing(tmp_path, capsys, task):
+    """A validated export the harness cannot load (here: no weights): exit 1, no selection written."""
+    run = tmp_path / "run"
+    plant(run, 1)
+    code = select.main([str(run), *SPLIT, "--student", str(task["student"]), "--cache", str(tmp_path / "cache"),
+                        "--backend", "hf", "--limit", "2", "--samples", "1"])
+    out = capsys.readouterr().out
+    log = run / "select" / "evals" / "global_step_1" / "addition_proxy" / "eval.log"
+    assert code == 1 and f"proxy 1/1 step 1 (addition_proxy): FAILED: exit 2; log {log}" in out
+    assert "lacks weights" in log.read_text() and "not chosen" in out
+    assert not (run / "select" / "selection.json").exists()

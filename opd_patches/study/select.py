@@ -208,9 +208,12 @@ def evaluate_one(plan: Plan, job: evaluate.EvalJob, what: str) -> dict | None:
         log(f"{what}: FAILED: {res['detail']}")
         return None
     p = stats.pass_at_1(results)
-    how = "evaluated" if res["state"] == "done" else "reused"
-    log(f"{what}: {how}: pass@1 {p['mean']:.4f} +/- {report.finite(p['clustered_se']) or 0:.4f}"
-        + (f" ({human(res['seconds'])})" if res["seconds"] else f" ({job.out})"))
+    score = f"pass@1 {p['mean']:.4f} +/- {report.finite(p['clustered_se']) or 0:.4f}"
+    if res["state"] == "done":
+        new = (evaluate.read_summary(job) or {}).get("generated_this_run")
+        log(f"{what}: evaluated: {score} ({human(res['seconds'])}, {new} new samples)")
+    else:
+        log(f"{what}: reused: {score} ({job.out})")
     return {"pass_at_1": p["mean"], "se": report.finite(p["clustered_se"]), "n_questions": p["n_questions"],
             "eval": str(job.out), "results": results}
 
