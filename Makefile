@@ -2,6 +2,7 @@
 # make checkpoints RUN=... [VERIFY=1]   (a run folder's trainer states: step, complete, export validation)
 # make patch [BASE=ref] [PATCH_FILE=opd.patch] | patch-check [BASE=ref]   (the submission patch)
 # make data SRC=... [OUT=...] | data-eval EVAL_SETS=... | eval MODEL=... SUITE=math500|aime|embedded [OUT=...] | plot RUN=...   (data, evaluation)
+# make select RUN=... [STUDENT=...] [SELECT_ARGS=...]   (a run's checkpoint: its kept exports ranked on math500, the choice scored on aime)
 # make bench [PHASE=kernels|teacher|step|layout|save|decode|lastsave] [SIZE=full|cpu] [OUT=bench.json] | bench-cpu-kernels | bench-logprob   (performance)
 # make learn [SEEDS=N] [DEVICE=gpu] [OUT=outputs/learn]   (proof of learning: the known-answer task, every recipe)
 # make study SPEC=recipes/studies/....yaml [OUT=...] [STUDY_ARGS=...] | arms CONTROL=k1 TREATMENT=topk   (studies)
@@ -23,7 +24,7 @@ PY := $(VENV)/bin/python
 DEPS := $(VENV)/.installed-$(PROFILE)
 endif
 
-.PHONY: learn install smoke smoke-gpu test test-fast lint vendor-check vendor validate preflight patch patch-check data data-eval eval plot bench bench-cpu-kernels bench-logprob checkpoints study arms
+.PHONY: learn install smoke smoke-gpu test test-fast lint vendor-check vendor validate preflight patch patch-check data data-eval eval select plot bench bench-cpu-kernels bench-logprob checkpoints study arms
 
 install: $(DEPS)
 	@$(PY) tools/patch.py record-base   # tags the commit you start from as opd-base, once
@@ -129,11 +130,19 @@ eval: $(DEPS)
 	@test -n "$(MODEL)" -a -n "$(SUITE)" || { echo "usage: make eval MODEL=<hf folder> SUITE=math500|aime|embedded|<protocol.yaml> [OUT=dir] [EVAL_ARGS=...]"; exit 2; }
 	$(PY) -m opd_patches.eval --model $(MODEL) --suite $(SUITE) $(if $(OUT),--out $(OUT)) $(EVAL_ARGS)
 
-# Plots of a run folder: evaluated checkpoints' scores (if any) and training curves -> RUN/plots/.
+# Checkpoint selection of one run (opd_patches/study/select.py): every kept, validated export on the proxy suite
+# (math500), the best (within one paired SE of it: the latest step) on the final suite (aime), the student on both
+# (cached by the digest of its files, shared by every run) -> RUN/select/selection.md, selection.json, evals/.
+# Resumable: the same command reuses finished evaluations. SELECT_ARGS e.g. "--samples 2 --limit 50 --backend hf".
+select: $(DEPS)
+	@test -n "$(RUN)" || { echo "usage: make select RUN=<run folder> [STUDENT=<model>] [SELECT_ARGS=\"--proxy math500 --final aime\"]"; exit 2; }
+	$(PY) -m opd_patches.study.select $(RUN) $(if $(STUDENT),--student $(STUDENT)) $(SELECT_ARGS)
+
+# Plots of a run folder: evaluated checkpoints' scores (make select's and make eval's, if any) and training curves -> RUN/plots/.
 plot: $(DEPS)
 	@test -n "$(RUN)" || { echo "usage: make plot RUN=<run folder>"; exit 2; }
 	@mkdir -p $(RUN)/plots
-	@if ls $(RUN)/global_step_*/eval/*/summary.json >/dev/null 2>&1; then $(PY) -m opd_patches.eval.plot $(RUN) --out $(RUN)/plots/scores.png; fi
+	@if ls $(RUN)/select/evals/*/*/summary.json $(RUN)/global_step_*/eval/*/summary.json 2>/dev/null | grep -q .; then $(PY) -m opd_patches.eval.plot $(RUN) --out $(RUN)/plots/scores.png; fi
 	$(PY) -m opd_patches.eval.plot --curves $(RUN)/metrics.jsonl --out $(RUN)/plots/training_curves.png
 
 # Performance phases (tools/bench/): each real code path next to its plain-PyTorch reference,

@@ -26,6 +26,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--gpu-memory-utilization", dest="gpu_memory_utilization", type=float,
                     help="vllm: share of the GPU's memory (default: sized from what is free at the engine's start, "
                          "at most 0.9; $OPD_EVAL_GPU_MEM sets it too)")
+    ap.add_argument("--model-hash", dest="model_hash", help="digest of the model's files: an --out folder holding "
+                    "samples of the same digest is resumed even where the model's path differs (make select's student cache)")
     ap.add_argument("--step", type=int, help="training step for plots (default: from global_step_N in --model)")
     ap.add_argument("--grade-timeout", dest="grade_timeout_s", type=float, default=10.0, help="math-verify seconds per sample")
     ap.add_argument("--teacher-kl", dest="teacher_kl", help="teacher model folder: also measure the teacher-KL of fresh "

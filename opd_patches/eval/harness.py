@@ -5,7 +5,9 @@ batch is done; a rerun with the same `--out` reads it back (a cut-off last line 
 rewritten without it), skips the pairs already there and samples only the rest. The settings that
 change what a sample means (model, suite, max_new_tokens, temperature, top_p, seed) are kept in
 `<out>/eval_config.json` and a rerun with different ones is refused; `--samples` and `--limit` may
-change (the summary covers the pairs requested now; other lines stay in the file).
+change (the summary covers the pairs requested now; other lines stay in the file). With `--model-hash`
+(a digest of the model's files, given by a caller that keys evaluations by content: `make select`'s
+student cache) the model is the same when the digest is, wherever its folder now is.
 
 Order of work: (1) generation in chunks of the backend's batch size, each sample rule-graded
 (`opd_patches.task.grader.grade`) and appended; (2) only with `--verifier`: the evaluated model is released,
@@ -67,7 +69,9 @@ def _check_config(out: Path, config: dict) -> None:
     # Settings only matter once samples exist: a run that failed before sampling blocks nothing.
     if path.exists() and summary_mod.load_records(out / "generations.jsonl")[0]:
         old = json.loads(path.read_text())
-        diff = [f"{k}: {old.get(k)!r} -> {config[k]!r}" for k in MUST_MATCH if old.get(k) != config[k]]
+        same_files = config.get("model_hash") is not None and old.get("model_hash") == config["model_hash"]
+        diff = [f"{k}: {old.get(k)!r} -> {config[k]!r}" for k in MUST_MATCH
+                if old.get(k) != config[k] and not (k == "model" and same_files)]
         for key in ("backend", "gpu_memory_utilization", "prompt_opens_thought"):  # kept when a resume generates nothing
             config.setdefault(key, old.get(key))
         if diff:
@@ -158,7 +162,8 @@ def run(args: dict) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     model = str(Path(args["model"]).resolve()) if Path(args["model"]).exists() else args["model"]
     step = args.get("step") if args.get("step") is not None else summary_mod.step_of(model)
-    config = {"suite": protocol["name"], "protocol_file": protocol["protocol_file"], "model": model, "step": step,
+    config = {"suite": protocol["name"], "protocol_file": protocol["protocol_file"], "model": model,
+              "model_hash": args.get("model_hash"), "step": step,
               **{k: protocol[k] for k in ("samples", "max_new_tokens", "temperature", "top_p", "seed")},
               "limit": args.get("limit"), "data_dir": str(data_dir), "verifier": args.get("verifier")}
     _check_config(out, config)

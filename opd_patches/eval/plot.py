@@ -7,8 +7,9 @@
 - `plot_summary`: one evaluation (`scores.png` beside its summary.json): pass@1 of the whole suite
   and of each source file, error bars = question-clustered SE.
 - `plot_checkpoints`: every summary.json found under the given paths (files or folders, searched
-  recursively; e.g. a run folder whose `global_step_N/eval/<suite>/` were evaluated), pass@1 +/- clustered
-  SE against the training step (`summary["step"]`), one line per suite.
+  recursively; e.g. a run folder: `make select`'s `select/evals/global_step_N/<suite>/` and `make eval`'s
+  `global_step_N/eval/<suite>/`), pass@1 +/- clustered SE against the training step (`summary["step"]`),
+  one line per suite; one point per (suite, step), the selection's where both evaluated a step.
 - `plot_curves`: a run's `metrics.jsonl` (`{"step": N, "data": {...}}` per line, VERL's metric names),
   one panel per key; default keys are those of `DEFAULT_CURVE_KEYS` present in the file plus any
   validation metric (`val-core/...`, `val-aux/...` means).
@@ -105,12 +106,23 @@ def find_summaries(paths) -> list[dict]:
     return found
 
 
+SELECT_EVALS = "/select/evals/"  # make select's evaluations in a run folder (opd_patches/study/select.py)
+
+
+def one_per_step(summaries: list[dict]) -> list[dict]:
+    """One summary per (suite, step): `make select`'s over `make eval`'s, else the last found."""
+    kept = {}
+    for s in sorted(summaries, key=lambda s: SELECT_EVALS in Path(s["_path"]).as_posix()):
+        kept[(s["suite"], s.get("step"), None if s.get("step") is not None else s["_path"])] = s
+    return list(kept.values())
+
+
 def plot_checkpoints(summaries: list[dict], path: Path) -> Path:
     if not summaries:
-        raise ValueError("no evaluation summary.json found (run `make eval` on the checkpoints first)")
+        raise ValueError("no evaluation summary.json found (run `make select` or `make eval` on the checkpoints first)")
     plt = _pyplot()
     by_suite = defaultdict(list)
-    for s in summaries:
+    for s in one_per_step(summaries):
         by_suite[s["suite"]].append(s)
     fig, ax = plt.subplots(figsize=(6.4, 4.0))
     for suite, items in sorted(by_suite.items()):

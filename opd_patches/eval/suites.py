@@ -18,6 +18,10 @@ problems with integer gold answers as the embedded training prompts are made (`o
 so a smoke needs no data files; `addition` (protocols/addition.yaml) is the known-answer task's 200
 held-out questions (`opd_patches.embedded.addition`), at the recipes' sampling temperature 1.0.
 
+`question_offset: K` (default 0) skips the first K questions (generated or read), so that two protocols
+can split one set: `addition_proxy` (its first 100 held-out questions) picks a checkpoint and
+`addition_final` (the other 100) scores it, on questions the choice never saw (`make select`).
+
 Question files are JSONL rows `{"id", "problem", "answer"}` (ids unique within the suite; a row without
 an id gets `<file stem>-<line>`). The evaluation data folder is `--data-dir`, else `$OPD_EVAL_DATA`,
 else `~/data/opd-eval` (DEFAULT_DATA_DIR): the user fills it with MATH-500 / AIME 2024 / AIME 2025 in
@@ -86,7 +90,11 @@ GENERATORS = {"embedded": embedded_questions, "addition": addition_questions}
 
 def load_questions(protocol: dict, data_dir: Path, limit: int | None = None) -> list[dict]:
     """[{"id", "problem", "answer", "source"}] of the suite's files, in file order (or generated, for a
-    protocol with `generate`); first `limit` only."""
+    protocol with `generate`), after the first `question_offset`; first `limit` only."""
+    offset = protocol.get("question_offset", 0)
+    if not isinstance(offset, int) or isinstance(offset, bool) or offset < 0:
+        raise ValueError(f"protocol {protocol['protocol_file']}: key 'question_offset' must be a non-negative integer, "
+                         f"got {offset!r}")
     if protocol.get("generate") is not None:
         make = GENERATORS.get(protocol["generate"])
         if make is None:
@@ -95,7 +103,12 @@ def load_questions(protocol: dict, data_dir: Path, limit: int | None = None) -> 
         n = protocol.get("questions")
         if not isinstance(n, int) or n < 1:
             raise ValueError(f"protocol {protocol['protocol_file']}: key 'questions' (how many to generate) must be a positive integer")
-        return make(min(n, limit or n), int(protocol.get("question_seed", 0)))
+        count = min(n, limit or n)
+        made = make(offset + count, int(protocol.get("question_seed", 0)))[offset:]
+        if len(made) < count:  # a fixed split (addition) has only so many
+            raise ValueError(f"protocol {protocol['protocol_file']}: questions {offset + 1}..{offset + count} asked, "
+                             f"generator {protocol['generate']!r} has {offset + len(made)}")
+        return made
     data_dir = Path(data_dir).expanduser()
     questions, seen = [], set()
     for name in protocol["files"]:
@@ -113,4 +126,5 @@ def load_questions(protocol: dict, data_dir: Path, limit: int | None = None) -> 
                 raise ValueError(f"{path}: row {i + 1}: question id {qid!r} appears twice in suite {protocol['name']}")
             seen.add(qid)
             questions.append({"id": qid, "problem": row["problem"], "answer": str(row["answer"]), "source": path.stem})
+    questions = questions[offset:]
     return questions[:limit] if limit else questions

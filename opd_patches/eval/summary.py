@@ -80,6 +80,7 @@ def summarize(records: list[dict], config: dict, n_expected: int, elapsed_s: flo
     return {
         "suite": config["suite"],
         "model": config["model"],
+        "model_hash": config.get("model_hash"),
         "step": config.get("step"),
         **_block(records),
         "naive_binomial_se": p["naive_binomial_se"],

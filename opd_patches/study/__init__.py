@@ -7,6 +7,7 @@
     evaluate.py  which checkpoints to evaluate, the evaluation harness per checkpoint and suite
     report.py    pooled pass@1, paired differences vs the control, report.md / report.json / report.png
     cli.py       the study itself: lock, runs, evaluations, report
+    select.py    `make select`: one run's checkpoint chosen on a proxy suite, scored on the final suite
 
 Nothing here is imported by training processes.
 """

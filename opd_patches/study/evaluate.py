@@ -16,7 +16,10 @@ With `eval.teacher_kl` every evaluation also measures the model's teacher-KL (`-
 
 Each runs `python -m opd_patches.eval` in a process of its own (the GPU memory of one model is freed
 before the next). An evaluation whose summary.json is complete for the same model and settings is
-skipped; an interrupted one resumes from its generations.jsonl (the harness's own resume).
+skipped (an option left unset means the protocol's value; a job with a `model_hash` is the same model
+when the digest of its files is, wherever they lie); an interrupted one resumes from its
+generations.jsonl (the harness's own resume). `make select` (select.py) runs its evaluations through
+the same jobs.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from opd_patches.eval.suites import load_protocol
 from opd_patches.ops import checkpoints, receipts
 from opd_patches.study.runner import RunPlan, run_child, shared_cores_env
 from opd_patches.study.spec import suite_folder
@@ -35,6 +39,8 @@ from opd_patches.study.spec import suite_folder
 # spec eval key -> the harness's command-line flag (and its summary["protocol"] key)
 OPTIONS = {"limit": "--limit", "samples": "--samples", "max_new_tokens": "--max-new-tokens",
            "temperature": "--temperature", "top_p": "--top-p", "seed": "--seed"}
+# the options that change what one sample means (the harness refuses to mix them in one folder)
+SAMPLE_OPTIONS = ("max_new_tokens", "temperature", "top_p", "seed")
 
 
 REFERENCE = "reference"
@@ -50,6 +56,7 @@ class EvalJob:
     model: Path | None
     missing: str = ""  # why there is nothing to evaluate (the step is not on disk)
     ref: str = ""      # the reference's name
+    model_hash: str | None = None  # set: the model is identified by the digest of its files, not its path
 
     @property
     def name(self) -> str:
@@ -68,7 +75,8 @@ def reference_jobs(spec, out: Path) -> list[EvalJob]:
     return jobs
 
 
-def _export(state_dir: Path) -> Path:
+def export_of(state_dir: Path) -> Path:
+    """The HF export of a state folder (its receipt's `hf_export`)."""
     try:
         rel = receipts.read(state_dir, int(state_dir.name.split("_")[-1])).get("hf_export") or receipts.HF_EXPORT
     except (AttributeError, ValueError):
@@ -90,7 +98,7 @@ def jobs_for(plan: RunPlan, eval_spec: dict, out: Path) -> list[EvalJob]:
         for suite in eval_spec["suites"]:
             folder = out / "evals" / plan.arm / f"seed{plan.seed}" / f"global_step_{step}" / suite_folder(suite)
             if step in complete:
-                jobs.append(EvalJob(plan, label, step, suite, folder, _export(Path(complete[step]))))
+                jobs.append(EvalJob(plan, label, step, suite, folder, export_of(Path(complete[step]))))
             else:
                 why = (f"step {step} is not a complete state of {plan.run_dir} (complete: {sorted(complete)}); "
                        "it was not saved (trainer.save_freq) or was pruned (raise trainer.max_actor_ckpt_to_keep)")
@@ -105,15 +113,33 @@ def read_summary(job: EvalJob) -> dict | None:
         return None
 
 
+def settings(suite: str, eval_spec: dict) -> dict:
+    """The options an evaluation of `suite` runs with: the spec's, else the protocol's (limit: none)."""
+    protocol = load_protocol(suite)
+    return {k: eval_spec[k] if eval_spec.get(k) is not None else protocol.get(k) for k in OPTIONS}
+
+
+def settings_folder(suite: str, eval_spec: dict) -> str:
+    """The folder name of an evaluation: the suite's, with each sample option that differs from the
+    protocol's appended (`aime-max_new_tokens=8192`), so that other settings get a folder of their own
+    instead of a refusal to mix."""
+    protocol = load_protocol(suite)
+    return suite_folder(suite) + "".join(f"-{k}={eval_spec[k]}" for k in SAMPLE_OPTIONS
+                                         if eval_spec.get(k) is not None and eval_spec[k] != protocol[k])
+
+
 def is_done(job: EvalJob, eval_spec: dict) -> bool:
     """A complete summary for this model with the requested settings (options left unset: protocol's)."""
     s = read_summary(job)
-    if not s or not s.get("complete") or s.get("model") != str(job.model):
+    if not s or not s.get("complete"):
+        return False
+    if (s.get("model_hash") != job.model_hash) if job.model_hash else (s.get("model") != str(job.model)):
         return False
     protocol = s.get("protocol") or {}
     if eval_spec.get("teacher_kl") and (s.get("teacher_kl") or {}).get("teacher") != eval_spec["teacher_kl"]:
         return False
-    return all(eval_spec[k] is None or protocol.get(k) == eval_spec[k] for k in OPTIONS)
+    want = settings(job.suite, eval_spec)
+    return all(protocol.get(k) == want[k] for k in OPTIONS)
 
 
 def command(job: EvalJob, eval_spec: dict) -> list[str]:
@@ -121,6 +147,8 @@ def command(job: EvalJob, eval_spec: dict) -> list[str]:
            "--out", str(job.out), "--backend", eval_spec["backend"]]
     if job.step is not None:
         cmd += ["--step", str(job.step)]
+    if job.model_hash:
+        cmd += ["--model-hash", job.model_hash]
     if eval_spec.get("teacher_kl"):
         cmd += ["--teacher-kl", eval_spec["teacher_kl"], "--kl-samples", str(eval_spec.get("kl_samples") or 1)]
     for key, flag in OPTIONS.items():

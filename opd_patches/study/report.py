@@ -47,8 +47,14 @@ def eval_results(out: Path, protocol_samples: int | None = None) -> dict | None:
     return results(records) if records else None
 
 
-def _num(x):
+def finite(x):
+    """x, or None where JSON has no number for it (nan, inf)."""
     return None if x is None or (isinstance(x, float) and (math.isnan(x) or math.isinf(x))) else x
+
+
+def json_block(d: dict, keys) -> dict:
+    """The `keys` of a statistics result (eval/stats.py), nan and inf as None."""
+    return {k: finite(d[k]) if isinstance(d[k], float) else d[k] for k in keys}
 
 
 def arm_block(per_seed: dict) -> dict:
@@ -58,11 +64,11 @@ def arm_block(per_seed: dict) -> dict:
     agg = stats.aggregate_seeds([{q: r[q] for q in r if q in common} for r in per_seed.values()])
     return {
         "pass_at_1": agg["mean"],
-        "se": _num(agg["pooled"]["clustered_se"]),
+        "se": finite(agg["pooled"]["clustered_se"]),
         "n_questions": agg["pooled"]["n_questions"],
         "n_samples": agg["pooled"]["n_samples"],
         "per_seed": {str(s): m for s, m in zip(per_seed, agg["per_seed_means"])},
-        "seed_std": _num(agg["seed_std"]),
+        "seed_std": finite(agg["seed_std"]),
         "questions_dropped_per_seed": dropped,
         "pooled_results": agg["pooled_results"],
     }
@@ -78,7 +84,7 @@ def build(spec, plans, jobs: list, job_results: dict) -> dict:
         if job.plan is None:
             p = stats.pass_at_1(res)
             references.setdefault(job.suite, {})[job.ref] = {
-                "model": str(job.model), "pass_at_1": p["mean"], "se": _num(p["clustered_se"]),
+                "model": str(job.model), "pass_at_1": p["mean"], "se": finite(p["clustered_se"]),
                 "n_questions": p["n_questions"], "teacher_kl": _kl(job.out), "results": res}
             continue
         g = groups.setdefault((job.suite, job.label), {})
@@ -101,8 +107,7 @@ def build(spec, plans, jobs: list, job_results: dict) -> dict:
                 if arm == spec.control:
                     continue
                 d = stats.paired_difference(block["pooled_results"], ctrl, arm, spec.control)
-                diffs[arm] = {k: _num(d[k]) if isinstance(d[k], float) else d[k]
-                              for k in ("diff", "se", "t", "p_value", "verdict", "n_common", "p_method")}
+                diffs[arm] = json_block(d, ("diff", "se", "t", "p_value", "verdict", "n_common", "p_method"))
         out_groups.append({"suite": suite, "checkpoint": label, "arms": arms, "diffs": diffs,
                            "missing_arms": [a for a in arm_order if a not in arms]})
     runs = [{"arm": p.arm, "seed": p.seed, "recipe": p.recipe, "run_dir": str(p.run_dir), **p.result} for p in plans]
@@ -165,7 +170,7 @@ def learning_summary(data: dict) -> dict | None:
         out["arms"][arm] = {
             "step": end_step, "pass_at_1": end["pass_at_1"], "se_clustered": end["se"], "per_seed": end["per_seed"],
             "pass_at_1_start": start["pass_at_1"],
-            "gain": {k: _num(gain[k]) if isinstance(gain[k], float) else gain[k] for k in ("diff", "se", "t", "p_value", "n_common")},
+            "gain": json_block(gain, ("diff", "se", "t", "p_value", "n_common")),
             "teacher_kl": {"start": kl0, "end": kl1,
                            "ratio": None if kl0 in (None, 0) or kl1 is None else kl1 / kl0},
             "curve": curve,
