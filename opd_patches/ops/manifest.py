@@ -18,7 +18,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 PACKAGES = ("verl", "torch", "transformers", "tokenizers", "ray", "tensordict", "vllm", "flash-attn", "opd-patches")
 
 
