@@ -145,7 +145,8 @@ select: $(DEPS)
 # OUT/report.md (OUT default outputs/run). STAGE=data-eval|data|preflight|train|select|final|report runs one.
 # TASK=addition: the known-answer task, every stage on a CPU (OUT default outputs/run-addition). The same command
 # continues after a crash or a kill; other inputs in the same OUT are refused. OVERRIDES: Hydra overrides of the
-# training; EVAL_SETS as make data-eval; SELECT_ARGS as make select (e.g. "--samples 2 --backend hf").
+# training; EVAL_SETS as make data-eval; SELECT_ARGS as make select (e.g. "--samples 2 --backend hf");
+# RUN_ARGS e.g. --new-deadline (replace the deadline fixed at the first launch).
 run: $(DEPS)
 	$(PY) -m opd_patches.study.chain $(if $(TASK),--task $(TASK)) $(if $(STUDENT),--student $(STUDENT)) \
 	  $(if $(TEACHER),--teacher $(TEACHER)) $(if $(DAPO),--dapo $(DAPO)) $(if $(RECIPE),--recipe $(RECIPE)) \

@@ -244,3 +244,42 @@ def test_the_same_command_then_skips_every_stage_and_other_inputs_are_refused(co
     later = subprocess.run(_argv(base, wall_clock="60"), cwd=REPO, env=_env(base),
                            capture_output=True, text=True, timeout=600)
     assert later.returncode == 2 and "the deadline was fixed at the first launch" in later.stderr
+
+
+# ---- the data stages of the real path, on small local files ---------------------------------------------
+@pytest.mark.slow
+def test_the_data_stages_decontaminate_and_a_changed_dapo_file_is_refused(tmp_path, embedded):
+    """data-eval, data and preflight of the researcher's path, each run alone (STAGE=), on local files: a
+    training problem that is also an evaluation problem is removed, the report gives each file's sha256."""
+    shared = "Compute the value of 7 times 8 plus the square root of 81."
+    rows = [{"problem": f"What is {i} + {i + 1}?", "answer": str(2 * i + 1)} for i in range(20)]
+    dapo = tmp_path / "dapo.jsonl"
+    dapo.write_text("".join(json.dumps(r) + "\n" for r in [*rows, {"problem": shared, "answer": "65"}]))
+    sets = {"math500": [{"id": "m1", "problem": shared, "answer": "65"}],
+            "aime24": [{"id": "a1", "problem": "Find the remainder when 2^10 is divided by 7.", "answer": "2"}],
+            "aime25": [{"id": "b1", "problem": "Find the number of divisors of 360.", "answer": "24"}]}
+    for name, items in sets.items():
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in items))
+    out = tmp_path / "run"
+    argv = [sys.executable, "-m", "opd_patches.study.chain", "--student", str(embedded["student"]), "--teacher",
+            str(embedded["teacher"]), "--dapo", str(dapo), "--out", str(out),
+            "--eval-sets", " ".join(f"{n}={tmp_path / n}.jsonl" for n in sets)]
+
+    def chain_(stage):
+        return subprocess.run([*argv, "--stage", stage], cwd=REPO, env=_env(tmp_path), capture_output=True, text=True,
+                              timeout=600)
+
+    early = chain_("data")
+    assert early.returncode == 2 and "STAGE=data needs stage data-eval done first" in early.stderr
+    for stage in ("data-eval", "data", "preflight", "report"):
+        done = chain_(stage)
+        assert done.returncode == 0 and f"{stage}: done" in done.stdout, done.stdout[-2000:] + done.stderr[-2000:]
+    counts = json.loads((out / "data" / "data_report.json").read_text())["counts"]
+    assert counts["read"] == 21 and counts["decontaminated"] == counts["train"] == 20
+    assert json.loads((out / "preflight.json").read_text())["ok"] is True
+    md = (out / "report.md").read_text()
+    assert f"| `{dapo}` | `{chain.receipts.sha256(dapo)}` |" in md and "1 by decontamination" in md
+    assert "data: done for these inputs, skipped" in chain_("data").stdout  # done: not made again
+    dapo.write_text(dapo.read_text() + json.dumps({"problem": "One more?", "answer": "1"}) + "\n")
+    changed = chain_("report")
+    assert changed.returncode == 2 and "dapo_sha256: " in changed.stderr and "would mix" in changed.stderr
