@@ -376,7 +376,7 @@ class Chain:
         st = runner.status(plan, self.budget())
         log(f"train: {'resuming' if st['state'] == 'partial' else 'first launch'} ({st['detail']}) in {self.run_dir}; "
             f"log {self.run_dir / 'run.log'}")
-        progress = RunProgress(self.run_dir, "train", self.budget().get("steps"), wall)
+        progress = _ThisLaunch(self.run_dir, lambda: RunProgress(self.run_dir, "train", self.budget().get("steps"), wall))
         code = runner.launch(plan, progress)
         st = runner.status(plan, self.budget())
         if st["state"] != "complete":
@@ -463,6 +463,27 @@ class Chain:
             self.record(stage, inputs, started, finished=stage != "report", note=note)
             log(f"{stage}: done ({human(time.time() - started)})")
         return 0
+
+
+class _ThisLaunch:
+    """The training's progress lines from what this launch logs: an earlier launch's metrics.jsonl is read
+    only once opd_patches.main has set it aside (it writes manifest.json right after), else a resumed run
+    would first be reported at the earlier launch's last step."""
+
+    def __init__(self, run_dir: Path, make):
+        self.manifest, self.make, self.progress = run_dir / "manifest.json", make, None
+        self.since = time.time() if (run_dir / "metrics.jsonl").exists() else None
+
+    def poll(self):
+        if self.progress is None:
+            try:
+                fresh = self.since is None or self.manifest.stat().st_mtime >= self.since
+            except OSError:
+                fresh = False
+            if not fresh:
+                return None
+            self.progress = self.make()
+        return self.progress.poll()
 
 
 def _summary_model(path: Path) -> str | None:
