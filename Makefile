@@ -3,6 +3,7 @@
 # make patch [BASE=ref] [PATCH_FILE=opd.patch] | patch-check [BASE=ref]   (the submission patch)
 # make data SRC=... [OUT=...] | data-eval EVAL_SETS=... | eval MODEL=... SUITE=math500|aime|embedded [OUT=...] | plot RUN=...   (data, evaluation)
 # make select RUN=... [STUDENT=...] [SELECT_ARGS=...]   (a run's checkpoint: its kept exports ranked on math500, the choice scored on aime)
+# make run STUDENT=... TEACHER=... DAPO=... [DEADLINE=...|WALL_CLOCK=...] [STAGE=...] | run TASK=addition   (the real run, one command)
 # make bench [PHASE=kernels|teacher|step|layout|save|decode|lastsave] [SIZE=full|cpu] [OUT=bench.json] | bench-cpu-kernels | bench-logprob   (performance)
 # make learn [SEEDS=N] [DEVICE=gpu] [OUT=outputs/learn]   (proof of learning: the known-answer task, every recipe)
 # make study SPEC=recipes/studies/....yaml [OUT=...] [STUDY_ARGS=...] | arms CONTROL=k1 TREATMENT=topk   (studies)
@@ -24,7 +25,7 @@ PY := $(VENV)/bin/python
 DEPS := $(VENV)/.installed-$(PROFILE)
 endif
 
-.PHONY: learn install smoke smoke-gpu test test-fast lint vendor-check vendor validate preflight patch patch-check data data-eval eval select plot bench bench-cpu-kernels bench-logprob checkpoints study arms
+.PHONY: run learn install smoke smoke-gpu test test-fast lint vendor-check vendor validate preflight patch patch-check data data-eval eval select plot bench bench-cpu-kernels bench-logprob checkpoints study arms
 
 install: $(DEPS)
 	@$(PY) tools/patch.py record-base   # tags the commit you start from as opd-base, once
@@ -137,6 +138,21 @@ eval: $(DEPS)
 select: $(DEPS)
 	@test -n "$(RUN)" || { echo "usage: make select RUN=<run folder> [STUDENT=<model>] [SELECT_ARGS=\"--proxy math500 --final aime\"]"; exit 2; }
 	$(PY) -m opd_patches.study.select $(RUN) $(if $(STUDENT),--student $(STUDENT)) $(SELECT_ARGS)
+
+# The real run in one resumable command (opd_patches/study/chain.py, docs/run.md): evaluation sets, training data
+# (decontaminated), pre-flight, training (RECIPE, default topk; stopped in time for selection and the final score
+# before DEADLINE, an absolute time, or WALL_CLOCK seconds from the first launch), selection, final score,
+# OUT/report.md (OUT default outputs/run). STAGE=data-eval|data|preflight|train|select|final|report runs one.
+# TASK=addition: the known-answer task, every stage on a CPU (OUT default outputs/run-addition). The same command
+# continues after a crash or a kill; other inputs in the same OUT are refused. OVERRIDES: Hydra overrides of the
+# training; EVAL_SETS as make data-eval; SELECT_ARGS as make select (e.g. "--samples 2 --backend hf");
+# RUN_ARGS e.g. --new-deadline (replace the deadline fixed at the first launch).
+run: $(DEPS)
+	$(PY) -m opd_patches.study.chain $(if $(TASK),--task $(TASK)) $(if $(STUDENT),--student $(STUDENT)) \
+	  $(if $(TEACHER),--teacher $(TEACHER)) $(if $(DAPO),--dapo $(DAPO)) $(if $(RECIPE),--recipe $(RECIPE)) \
+	  $(if $(DEADLINE),--deadline $(DEADLINE)) $(if $(WALL_CLOCK),--wall-clock $(WALL_CLOCK)) $(if $(OUT),--out $(OUT)) \
+	  $(if $(STAGE),--stage $(STAGE)) $(if $(EVAL_SETS),--eval-sets "$(EVAL_SETS)") $(if $(EVAL_DATA),--eval-data $(EVAL_DATA)) \
+	  $(if $(SELECT_ARGS),"--select-args=$(SELECT_ARGS)") $(if $(filter 1,$(FORCE)),--force) $(RUN_ARGS) $(OVERRIDES)
 
 # Plots of a run folder: evaluated checkpoints' scores (make select's and make eval's, if any) and training curves -> RUN/plots/.
 plot: $(DEPS)

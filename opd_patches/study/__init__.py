@@ -8,6 +8,9 @@
     report.py    pooled pass@1, paired differences vs the control, report.md / report.json / report.png
     cli.py       the study itself: lock, runs, evaluations, report
     select.py    `make select`: one run's checkpoint chosen on a proxy suite, scored on the final suite
+    chain.py     `make run`: data, pre-flight, training, selection, final score, report in one resumable command
+    deadline.py  the deadline of `make run`: when training stops so that selection and the final score fit
+    chain_report.py  `make run`'s report.md / report.json
 
 Nothing here is imported by training processes.
 """
