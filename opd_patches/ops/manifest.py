@@ -40,9 +40,10 @@ def _git(*args: str):
     return out.stdout.strip() if out.returncode == 0 else None
 
 
-def _versions() -> dict:
+def versions(names=PACKAGES) -> dict:
+    """{package: installed version or None} of `names`."""
     found = {}
-    for name in PACKAGES:
+    for name in names:
         try:
             found[name] = version(name)
         except PackageNotFoundError:
@@ -71,7 +72,7 @@ def build(config: DictConfig) -> dict:
                  "verl_platform": os.environ.get("VERL_PLATFORM", "auto")},
         "git": {"commit": _git("rev-parse", "HEAD"), "dirty": bool(_git("status", "--porcelain"))},
         "verl_wheel": _verl_pin(),
-        "packages": _versions(),
+        "packages": versions(),
         "seeds": {
             "data.seed": cfg["data"].get("seed"),
             "data.shuffle": cfg["data"].get("shuffle"),

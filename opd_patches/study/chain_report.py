@@ -16,10 +16,10 @@ from __future__ import annotations
 import json
 import subprocess
 import time
-from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 from opd_patches.ops import receipts
+from opd_patches.ops.manifest import versions as package_versions
 from opd_patches.study import deadline as dl
 from opd_patches.study import select
 from opd_patches.study.progress import human
@@ -38,12 +38,7 @@ def _run(cmd: list[str]) -> str | None:
 
 def environment(manifest: dict | None) -> dict:
     gpus = _run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"])
-    versions = {}
-    for name in PACKAGES:
-        try:
-            versions[name] = version(name)
-        except PackageNotFoundError:
-            versions[name] = None
+    versions = package_versions(PACKAGES)
     return {"device": [g.strip() for g in gpus.splitlines()] if gpus else "CPU", "packages": versions,
             "git": {"commit": _run(["git", "-C", str(REPO), "rev-parse", "HEAD"]),
                     "dirty": bool(_run(["git", "-C", str(REPO), "status", "--porcelain"]))},
