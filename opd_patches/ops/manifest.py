@@ -40,6 +40,11 @@ def _git(*args: str):
     return out.stdout.strip() if out.returncode == 0 else None
 
 
+def git_state() -> dict:
+    """{commit, dirty} of this checkout (None / False outside a git checkout)."""
+    return {"commit": _git("rev-parse", "HEAD"), "dirty": bool(_git("status", "--porcelain"))}
+
+
 def versions(names=PACKAGES) -> dict:
     """{package: installed version or None} of `names`."""
     found = {}
@@ -70,7 +75,7 @@ def build(config: DictConfig) -> dict:
         "command": sys.argv,
         "host": {"name": socket.gethostname(), "python": platform.python_version(), "platform": platform.platform(),
                  "verl_platform": os.environ.get("VERL_PLATFORM", "auto")},
-        "git": {"commit": _git("rev-parse", "HEAD"), "dirty": bool(_git("status", "--porcelain"))},
+        "git": git_state(),
         "verl_wheel": _verl_pin(),
         "packages": versions(),
         "seeds": {

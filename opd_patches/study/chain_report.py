@@ -19,11 +19,11 @@ import time
 from pathlib import Path
 
 from opd_patches.ops import receipts
+from opd_patches.ops.manifest import git_state
 from opd_patches.ops.manifest import versions as package_versions
 from opd_patches.study import deadline as dl
 from opd_patches.study import select
 from opd_patches.study.progress import human
-from opd_patches.study.spec import REPO
 
 PACKAGES = ("torch", "verl", "vllm", "transformers")
 
@@ -40,8 +40,7 @@ def environment(manifest: dict | None) -> dict:
     gpus = _run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"])
     versions = package_versions(PACKAGES)
     return {"device": [g.strip() for g in gpus.splitlines()] if gpus else "CPU", "packages": versions,
-            "git": {"commit": _run(["git", "-C", str(REPO), "rev-parse", "HEAD"]),
-                    "dirty": bool(_run(["git", "-C", str(REPO), "status", "--porcelain"]))},
+            "git": git_state(),
             "run_git": (manifest or {}).get("git"), "run_packages": (manifest or {}).get("packages")}
 
 
