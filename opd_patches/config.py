@@ -45,6 +45,7 @@ INJECT_INTO = ("loss", "teacher")
 # Keys that existed and no longer do: old dotted name under `opd.` -> what to use instead.
 RENAMED = {
     "overlap": "it was never shipped (docs/bench.md, decode beside training); drop the key",
+    "debug.validate_in_child": "the last save's finish starts its validating child itself (docs/performance.md); drop the key",
 }
 
 
@@ -119,9 +120,6 @@ class DebugConfig:
                                             what="the update's number, 1 = the first")
     # TEST ONLY: opd.wall_clock_s counts from this process's first step, not from the launch (tests/test_ops_e2e.py).
     wall_clock_from_first_step: bool = _flag(False)
-    # TEST ONLY: the final step's last save validates its export in the CPU child started at that step's
-    # beginning, as every real model's (>64 MiB) is, also for a tiny one (tests/test_smoke.py).
-    validate_in_child: bool = _flag(False)
     # TEST ONLY: a background finish waits this many seconds before hashing and writing the receipt, so that
     # a test can kill the run inside that window (tests/test_ops_e2e.py; a tiny export's finish is too quick).
     finish_hold_s: Optional[float] = _number(None, low=0, optional=True)

@@ -169,9 +169,8 @@ def smoke_cli(recipes, *overrides, timeout=600):
 
 # Each folder keeps <recipe>/{metrics.jsonl, run.log, manifest.json, global_step_N/...}; a new check
 # of these runs requests the fixture (see tests/background.py).
-# Every recipe, colocated teacher. The final step's export is validated in the CPU child started at that step's
-# beginning, as every real model's is (a tiny one is otherwise validated in-process: ops/finish.py).
-smoke_run = shared_run("smoke_run", smoke_cli(RECIPES, "opd.debug.validate_in_child=true"), cost=3)
+# Every recipe, colocated teacher.
+smoke_run = shared_run("smoke_run", smoke_cli(RECIPES), cost=3)
 # The defaults' counterparts (tests/flag_runs.py). The bench's step phase trains k1 and topk_tail with the
 # student's old-log-prob pass on (the default skips it: test_skip_old_log_prob.py); topk_tail with every
 # fast path off as well is `upstream_paths` (test_lean_topk.py, test_sampled_logprob.py), which also

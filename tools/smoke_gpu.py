@@ -1,6 +1,6 @@
 """The GPU smoke behind `make smoke-gpu`: the path users run, end to end, on one GPU with vLLM.
 
-    python -m tools.smoke_gpu [--part train|eval|all] [--recipe topk] [--out outputs/smoke-gpu]
+    python -m tools.smoke_gpu [--part train|eval|all|chain] [--recipe topk] [--out outputs/smoke-gpu]
         [--steps 2] [--save-after N] [--max-response-length 1024] [--limit 16] [--timeout 570]
 
 train: random-weight R1-Distill-Qwen-1.5B-architecture student (seed 0) and teacher (seed 1), built in
@@ -16,6 +16,14 @@ eval: that export evaluated by the vLLM evaluation backend (`python -m opd_patch
     on the built-in `embedded` suite (arithmetic questions generated in code), or, when $OPD_EVAL_DATA is
     set, on its math500 and aime suites (first --limit questions). Checked: exit status 0, summary.json
     with every sample graded, scores.png written.
+
+chain: the real run in one command (`make run`, opd_patches/study/chain.py) on the same random pair at the same
+    lengths: a raw DAPO-format file and the math500/aime evaluation sets written here (arithmetic problems, one
+    training problem also an evaluation problem, which decontamination must remove), then every stage:
+    data-eval, data, preflight, training under a deadline (`--chain-wall-clock` seconds from the launch) with
+    one save at the last step, selection on math500 and the final score on aime by the vLLM backend (`--limit`
+    questions, one sample each, the same token cap), report.md. Checked: exit status 0, the decontamination,
+    the selection's chosen step and final score against the student in report.json, report.md written.
 
 Each part is one process tree; `--part train` and `--part eval` let a 10-minute GPU window run them as
 two commands back to back (the start-up, the save and validation of a 1.5B state and a second vLLM
@@ -128,9 +136,75 @@ def evaluate(args) -> dict:
     return {"runs": runs, "ok": not problems, "problems": problems}
 
 
+def chain_inputs(folder: Path, limit: int) -> tuple[Path, dict]:
+    """A raw DAPO-format file (64 sums) and math500, aime24 and aime25 sets of `limit` problems each; one DAPO
+    problem is also math500's first, so the data stage must remove it."""
+    folder.mkdir(parents=True, exist_ok=True)
+    shared = {"problem": "Compute 7 times 8 plus the square root of 81.", "answer": "65"}
+    dapo = folder / "dapo.jsonl"
+    rows = [{"problem": f"What is {i} + {3 * i + 1}?", "answer": str(4 * i + 1)} for i in range(64)] + [shared]
+    dapo.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    sets = {}
+    for k, name in enumerate(("math500", "aime24", "aime25")):
+        items = [{"id": f"{name}-{i}", "problem": f"What is {11 + i} times {k + 3}?", "answer": str((11 + i) * (k + 3))}
+                 for i in range(limit)]
+        if name == "math500":
+            items[0] = {"id": f"{name}-0", **shared}
+        sets[name] = folder / f"{name}.jsonl"
+        sets[name].write_text("".join(json.dumps(r) + "\n" for r in items))
+    return dapo, sets
+
+
+def check_chain(code: int, out: Path) -> list[str]:
+    problems = [] if code == 0 else [f"make run exit {code} (logs: {out / 'logs'}, {out / 'train' / 'run.log'})"]
+    try:
+        report = json.loads((out / "report.json").read_text())
+        selection = json.loads((out / "train" / "select" / "selection.json").read_text())
+    except (OSError, ValueError) as exc:
+        return problems + [f"no report or selection: {exc}"]
+    counts = json.loads((out / "data" / "data_report.json").read_text())["counts"]
+    if counts.get("read", 0) - counts.get("decontaminated", 0) != 1:
+        problems.append(f"decontamination removed {counts.get('read', 0) - counts.get('decontaminated', 0)} rows, expected 1")
+    final = selection.get("final") or {}
+    if selection.get("chosen_step") is None or not final.get("chosen") or not final.get("student"):
+        problems.append(f"selection.json has no chosen step or final scores: {sorted(selection)}")
+    if not {"train", "select", "final"} <= {s["stage"] for s in report.get("stages", [])}:
+        problems.append("report.json lacks the train, select or final stage")
+    if not (out / "report.md").is_file():
+        problems.append(f"no {out / 'report.md'}")
+    return problems
+
+
+def chain(args) -> dict:
+    from tools.bench.step import build_r1_models
+
+    student, teacher = build_r1_models(args.out / "r1_arch", "cuda")
+    dapo, sets = chain_inputs(args.out / "chain_inputs", args.limit)
+    out = args.out / "chain"
+    subprocess.run(["rm", "-rf", str(out)], check=True)
+    cap = args.max_response_length
+    cmd = [sys.executable, "-m", "opd_patches.study.chain", "--student", str(student), "--teacher", str(teacher),
+           "--dapo", str(dapo), "--recipe", args.recipe, "--out", str(out), "--wall-clock", str(args.chain_wall_clock),
+           "--eval-sets", " ".join(f"{name}={path}" for name, path in sets.items()),
+           f"--select-args=--samples 1 --limit {args.limit} --max-new-tokens {cap} --cache {args.out / 'chain_cache'}",
+           f"data.max_response_length={cap}", f"trainer.total_training_steps={args.steps}",
+           f"trainer.save_freq={args.steps}", *args.override]
+    print(f"[smoke-gpu] chain: {' '.join(cmd)}", flush=True)
+    start = time.monotonic()
+    code = subprocess.run(cmd, cwd=REPO, env={**os.environ, "PYTHONUNBUFFERED": "1"}).returncode
+    problems = check_chain(code, out)
+    result = {"returncode": code, "wall_s": round(time.monotonic() - start, 1), "out": str(out), "command": cmd[1:],
+              "ok": not problems, "problems": problems}
+    if (out / "report.json").exists():
+        report = json.loads((out / "report.json").read_text())
+        result["stages"] = report.get("stages")
+        result["selection"] = report.get("selection")
+    return result
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m tools.smoke_gpu", description=__doc__.splitlines()[0])
-    ap.add_argument("--part", choices=["train", "eval", "all"], default="all")
+    ap.add_argument("--part", choices=["train", "eval", "all", "chain"], default="all")
     ap.add_argument("--recipe", default="topk")
     ap.add_argument("--out", type=Path, default=REPO / "outputs" / "smoke-gpu")
     ap.add_argument("--steps", type=int, default=2)
@@ -138,6 +212,7 @@ def main(argv=None) -> int:
     ap.add_argument("--max-response-length", type=int, default=1024)
     ap.add_argument("--limit", type=int, default=16, help="questions per evaluation suite")
     ap.add_argument("--timeout", type=int, default=570, help="seconds for the training run")
+    ap.add_argument("--chain-wall-clock", type=int, default=3600, help="chain part: seconds from the launch to its deadline")
     ap.add_argument("--override", action="append", default=[], help="extra Hydra override for run.sh (repeatable)")
     args = ap.parse_args(argv)
     args.out = args.out.resolve()
@@ -152,7 +227,7 @@ def main(argv=None) -> int:
     parts = ["train", "eval"] if args.part == "all" else [args.part]
     for part in parts:
         started = time.monotonic()
-        result = train(args) if part == "train" else evaluate(args)
+        result = {"train": train, "eval": evaluate, "chain": chain}[part](args)
         result["launch_to_exit_s"] = round(time.monotonic() - started, 1)
         report[part] = result
         report_file.write_text(json.dumps(report, indent=1))

@@ -10,9 +10,9 @@ after upstream's save and trains on; otherwise it calls `finish()` in-process. E
 is the same: the end of the state files' background writes (state_writer.py; the model files only, when the
 export is built here), the HF export's weights built from those files (`opd.background_export`, state_export.py), export validation
 (`opd_patches.ops.validate` in a CPU-only child process, started when the finish starts so that its imports run
-beside the writes and the export's build, or for the final step's save by the trainer at that step's beginning;
-the child leaves with os._exit once its answer is written; a tiny export in-process, and before a background
-finish by the trainer itself, so that the finish process imports neither torch nor transformers), the
+beside the writes and the export's build; the child leaves with os._exit once its answer is written; a tiny
+export in-process, and before a background finish by the trainer itself, so that the finish process imports
+neither torch nor transformers), the
 sha256 of every file (the state's outside the export hashed by a thread beside the export's build and
 validation, once every write has ended; the export's own beside its validation), the receipt written last
 (receipts.py: only now is the state complete), then pruning (checkpoints.py; only here, over
@@ -71,13 +71,11 @@ TIMES = "[validator times] "  # the child's last line: when it was ready and whe
 
 
 class Validator:
-    """opd_patches.ops.validate in a CPU-only child (never contends with training memory), started before the export
-    is there: the child imports torch and transformers meanwhile, then waits on its stdin until `result()` sends
-    "go" and the export's folder. The finish starts one with itself; the trainer starts the final step's at that
-    step's beginning (trainer.py), so that the child's imports (several seconds, more on a busy host) are done
-    by the last save: docs/performance.md "The last save"."""
+    """opd_patches.ops.validate in a CPU-only child (never contends with training memory), started with the finish,
+    before the export is there: the child imports torch and transformers (several seconds, more on a busy host)
+    beside the writes and the export's build, then waits on its stdin until `result()` sends "go"."""
 
-    def __init__(self, export: Path | None, expected_params: int | None):
+    def __init__(self, export: Path, expected_params: int | None):
         self.export = export
         self._tmp = tempfile.TemporaryDirectory()
         self.out = Path(self._tmp.name) / "validation.json"
@@ -89,17 +87,13 @@ class Validator:
         self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True)
 
-    def result(self, timeout_s: float, export: Path | None = None) -> dict:
-        """The receipt's `validation` of `export` (default: the one given when started); the child has ended when
-        this returns. Its `seconds` add the child's own overheads: `child start` (from "go" until the child had
-        imported and read it; 0 when it was waiting) and `child exit`."""
-        export = export or self.export
-        if export is None:
-            self.cancel()
-            raise ValueError("Validator.result: no export folder given")
+    def result(self, timeout_s: float) -> dict:
+        """The receipt's `validation` of the export; the child has ended when this returns. Its `seconds` add the
+        child's own overheads: `child start` (from "go" until the child had imported and read it; 0 when it was
+        waiting) and `child exit`."""
         sent = time.time()
         try:
-            output, _ = self.proc.communicate(f"go {export}\n", timeout=timeout_s)
+            output, _ = self.proc.communicate(f"go {self.export}\n", timeout=timeout_s)
         except subprocess.TimeoutExpired:
             self.cancel()
             return {"ok": False, "checks": {}, "error": f"validation timed out after {timeout_s:g} s"}
@@ -135,19 +129,11 @@ def validate_export(export: Path, expected_params: int | None, timeout_s: float)
     return Validator(export, expected_params).result(timeout_s)
 
 
-def large(export: Path, expected_params: int | None) -> bool:
-    """Whether `export`, not yet written, will be over IN_PROCESS_BYTES: its parameter count (given, else estimated
-    from its config.json) at 2 bytes each (bfloat16, the smallest stored dtype). False when unknown: the
-    validation then starts once the export is there."""
-    params = expected_params
-    if not params:
-        try:
-            c = json.loads((Path(export) / "config.json").read_text())
-            h, layers, vocab, inner = c["hidden_size"], c["num_hidden_layers"], c["vocab_size"], c["intermediate_size"]
-        except (OSError, ValueError, KeyError, TypeError):
-            return False
-        params = vocab * h * (1 if c.get("tie_word_embeddings") else 2) + layers * (4 * h * h + 3 * h * inner)
-    return 2 * int(params) > IN_PROCESS_BYTES
+def large(expected_params: int | None) -> bool:
+    """Whether an export of `expected_params` parameters (validate.expected_parameters_for), not yet written, will
+    be over IN_PROCESS_BYTES at 2 bytes each (bfloat16, the smallest stored dtype). False when unknown: the
+    validation then decides once the export is there."""
+    return bool(expected_params) and 2 * int(expected_params) > IN_PROCESS_BYTES
 
 
 def validated_here(state: Path, expected_params: int | None, timeout_s: float) -> dict | None:
@@ -195,12 +181,11 @@ class _StateHasher(threading.Thread):
 
 def finish(state: Path, step: int, validate: bool = True, expected_params: int | None = None,
            timeout_s: float = 1800, keep: int | None = None, build_export: bool = False,
-           validation: dict | None = None, hold_s: float = 0.0, validator: "Validator | None" = None) -> dict:
+           validation: dict | None = None, hold_s: float = 0.0) -> dict:
     """(Build the HF export,) validate, hash, write the receipt, prune; returns what happened with the
     seconds each part took. build_export: the weights come from the state files (state_export.py).
     validation: the export's, already done (`validated_here`); it goes into the receipt as it is.
     hold_s: TEST ONLY (opd.debug.finish_hold_s) wait before hashing: a window to kill the run in.
-    validator: a Validator of this state's export started earlier by the caller (else started here).
 
     Side by side (at 1.5B each stage takes tens of seconds, docs/performance.md): the state's
     files outside the export are hashed by a thread as soon as all writes have ended, while the export is
@@ -208,8 +193,8 @@ def finish(state: Path, step: int, validate: bool = True, expected_params: int |
     validation. The receipt still comes after every write, the validation and every hash."""
     state = Path(state)
     # The validating child imports beside the writes and the export's build (`Validator`).
-    warm = validator or (Validator(state / receipts.HF_EXPORT, expected_params)
-                         if validate and validation is None and large(state / receipts.HF_EXPORT, expected_params) else None)
+    warm = (Validator(state / receipts.HF_EXPORT, expected_params)
+            if validate and validation is None and large(expected_params) else None)
     try:
         return _finish(state, step, validate, expected_params, timeout_s, keep, build_export, validation, hold_s, warm)
     finally:
@@ -244,7 +229,7 @@ def _finish(state: Path, step: int, validate: bool, expected_params: int | None,
     with ThreadPoolExecutor(1, thread_name_prefix="export-sha256") as pool:
         hf_hashing = pool.submit(receipts.hash_files, state, receipts.state_files(state, under=receipts.HF_EXPORT))
         if warm is not None:
-            validation = warm.result(timeout_s, state / receipts.HF_EXPORT)
+            validation = warm.result(timeout_s)
         elif validation is None and validate:
             validation = validate_export(state / receipts.HF_EXPORT, expected_params, timeout_s)
         time.sleep(hold_s)

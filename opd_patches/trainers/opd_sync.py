@@ -101,8 +101,6 @@ class OpsTrainerMixin:
         # clock does not depend on how long start-up took on a loaded machine.
         self.ops_clock_from_first_step = debug.wall_clock_from_first_step
         self.ops_finish_hold_s = debug.finish_hold_s or 0.0  # null: no hold
-        self.ops_validate_in_child = debug.validate_in_child
-        self._ops_validator = None  # the final step's validating child, started at that step's beginning
         self.ops_save_steps = None if debug.save_steps is None else set(debug.save_steps)
         self._ops_stop_reason = None
         self._ops_saved_step = None
@@ -185,8 +183,7 @@ class OpsTrainerMixin:
                   f"state, or its host snapshot with opd.background_state_write{waited_for}; any earlier finish); "
                   f"{later}hashing and receipt continue in the background", flush=True)
             return
-        validator, self._ops_validator = self._ops_validator, None  # started at the final step's beginning, if any
-        out = finish.finish(state, step, validator=validator, **args)
+        out = finish.finish(state, step, **args)
         self._ops_report(out, waited=time.monotonic() - start, background=False)
 
     def _ops_collect(self, wait: bool) -> None:
@@ -241,24 +238,7 @@ class OpsTrainerMixin:
             if spent:
                 raise _WallClockSpent(why)
         self._ops_step_started = time.monotonic()
-        if self.global_steps >= self.total_training_steps:
-            self._ops_validator_ahead()
         return super().on_step_begin()
-
-    def _ops_validator_ahead(self):
-        """Start the last save's validating child now, at the final step's beginning: its imports (torch and
-        transformers, seconds of CPU, more on a busy host) then run beside this step instead of in the last save,
-        which the trainer waits for (make bench PHASE=lastsave, docs/performance.md). A wall-clock stop is
-        decided after its step: that save's finish starts its own child."""
-        if not self.ops_validate or self._ops_validator is not None:
-            return
-        if self.ops_save_steps is not None and self.global_steps not in self.ops_save_steps:
-            return
-        expected = self._ops_expected()
-        if self.ops_validate_in_child or finish.large(Path(str(self.config.actor_rollout_ref.model.path)), expected):
-            self._ops_validator = finish.Validator(None, expected)
-            print(f"[opd] final step {self.global_steps}: the last save's export validator is starting beside it "
-                  "(it imports torch and transformers meanwhile)", flush=True)
 
     def step(self, metrics: dict, timing_raw: dict):
         batch = super().step(metrics, timing_raw)
@@ -371,9 +351,6 @@ class OpsTrainerMixin:
             try:
                 super().fit(agent_loop_manager)
             finally:  # a save still finishing in the background (e.g. before a non-finite stop) ends first
-                if self._ops_validator is not None:  # the final step stopped before its save
-                    self._ops_validator.cancel()
-                    self._ops_validator = None
                 self._ops_collect(wait=True)
                 if self._ops_tmp is not None:
                     shutil.rmtree(self._ops_tmp, ignore_errors=True)

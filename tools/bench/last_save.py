@@ -1,6 +1,6 @@
 """Bench phase `lastsave`: a run's last save as the trainer waits for it, and what the host does meanwhile.
 
-    python -m tools.bench --phase lastsave [--workdir DIR] [--rounds N] [--lead-s S]   (make bench PHASE=lastsave)
+    python -m tools.bench --phase lastsave [--workdir DIR] [--rounds N]   (make bench PHASE=lastsave)
 
 The last save of a run (final step or wall clock) is finished in the trainer's process (opd_patches/trainers/opd_sync.py): the
 trainer waits for upstream's save (with opd.background_state_write: the state's host snapshot) and then for
@@ -8,10 +8,8 @@ the whole finish (ops/finish.py: the state's writes, the HF export built from th
 child, the hashes, the receipt). This phase makes exactly those two calls on the size's model (fp32 under
 FSDP2, AdamW after one step, the embedded tokenizer), without Ray or vLLM:
 - `lastsave/first`: the first save of the process (it page-locks the snapshot's memory, once per process);
-- then `--rounds` saves as every later one, alternating how the validating child is started: `with_finish` (by
-  the finish, as for a save the run did not foresee: a wall-clock stop) and `step_ahead` (before the save, as the
-  trainer starts the final step's at that step's beginning; `--lead-s` seconds before upstream's save call stand
-  for that step, not counted in the wait).
+- then `--rounds` saves as every later one (`with_finish`: the validating child started by the finish, as the
+  trainer's last save does).
 Each row: `time_s` the trainer's wait (ratio against the first `with_finish` round); the finish's parts and
 the validation's stages (with the child's start and exit); over the finish, the host's peaks of dirty and
 under-writeback page cache, file pages read again after eviction (`workingset_refault_file`), major faults
@@ -20,7 +18,6 @@ a fresh child with nothing beside it. A note gives the disk's write rate (4 GiB 
 at the cpu size). Every state is deleted after its row.
 """
 
-import itertools
 import os
 import shutil
 import threading
@@ -32,7 +29,6 @@ from tools.bench.measure import row
 from opd_patches.ops import finish, state_writer
 from opd_patches.patches import fsdp_save_checkpoint
 
-VARIANTS = ("with_finish", "step_ahead")
 MEMINFO = ("Dirty", "Writeback", "MemAvailable")
 VMSTAT = ("workingset_refault_file", "pgmajfault", "pgpgin")
 
@@ -126,16 +122,12 @@ def run_phase(size, args) -> dict:
     model.config._name_or_path = str(gen)
     manager = FSDPCheckpointManager(model, optim, processing_class=tokenizer,
                                     checkpoint_config=save._contents("model", "optimizer", "extra"))
-    rounds = ["first", *itertools.islice(itertools.cycle(VARIANTS), args.rounds)]
+    rounds = ["first", *["with_finish"] * args.rounds]
     rows, ref, state_gb = [], None, None
     pinned, state_writer.PINNED = state_writer.PINNED, device == "cuda"
     for step, variant in enumerate(rounds, start=1):
         state = runs / f"global_step_{step}"
         _settle()
-        validator = None
-        if variant == "step_ahead":
-            validator = finish.Validator(None, params)
-            time.sleep(args.lead_s)
         sampler = _Sampler()
         sampler.start()
         save._sync(device)
@@ -144,7 +136,7 @@ def run_phase(size, args) -> dict:
             manager.save_checkpoint(str(state / "actor"), global_step=step)
         save._sync(device)
         called = time.perf_counter() - start
-        out = finish.finish(state, step, validate=True, expected_params=params, build_export=True, validator=validator)
+        out = finish.finish(state, step, validate=True, expected_params=params, build_export=True)
         waited = time.perf_counter() - start
         host = sampler.stop()
         if "error" in out:
@@ -169,7 +161,6 @@ def run_phase(size, args) -> dict:
     shutil.rmtree(runs)
     notes = [f"{params:,} parameters; each state {state_gb:.2f} GB: model + optimizer + extra (fp32, FSDP2, one rank) "
              f"and the HF export built from them, into {workdir}; disk write rate {rate:.2f} GB/s (written and fsynced)",
-             f"step_ahead: the child started {args.lead_s:g} s before the save (the final step's time)",
              "ratio: each round's wait against the first `with_finish` round"]
     return {"size": size.name, "rows": rows, "notes": notes, "disk_write_gbps": rate, "state_gb": state_gb, "pid": os.getpid()}
 

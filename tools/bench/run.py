@@ -6,7 +6,7 @@
         [--recipe topk [k1 ...]] [--gpus 0 1] [--rollout vllm|hf] [--steps 2] [--override K=V ...]
         [--lengths seed-math500 | cap@2,seed-math500@2]   (step)
         [--batches 32 64 128] [--tokens 7168] [--train-shares 100 25 ...] [--share-tokens 2048] [--share-batches 32 8]   (decode)
-        [--workdir DIR] [--rounds 4] [--lead-s 20]   (save, lastsave)
+        [--workdir DIR] [--rounds 4]   (save, lastsave)
 """
 
 import argparse
@@ -60,8 +60,6 @@ def main(argv=None) -> int:
     step.add_argument("--workdir", type=Path, default=Path(".cache/bench"), help="models and run folders")
     step.add_argument("--timeout", type=int, default=3600, help="seconds before the run is killed")
     parser.add_argument("--rounds", type=int, default=4, help="lastsave phase: saves after the first one")
-    parser.add_argument("--lead-s", type=float, default=20.0,
-                        help="lastsave phase: seconds the step_ahead validator starts before the save (a final step)")
     dec = parser.add_argument_group("decode phase (vLLM decode per batch size; training beside it under MPS)")
     dec.add_argument("--batches", type=int, nargs="+", default=[32, 64, 128])
     dec.add_argument("--tokens", type=int, default=7168, help="forced new tokens per sequence")
