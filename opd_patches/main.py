@@ -417,7 +417,10 @@ def run(config: DictConfig) -> None:
     # refusal or a mistyped path costs no import (VERL pulls in torch and ray: seconds of CPU).
     hold_run_lock(config)
     check_inputs(config)
+    from opd_patches.checks import speculation
     from opd_patches.checks.resources import check_resources
+
+    speculation.check(config)  # upstream's speculative_config where it cannot work: refused before Ray
 
     check_resources(config)  # disk for the kept states, host memory for the pinned and parked copies
     from verl.trainer.main_ppo import TaskRunnerV1, run_ppo

@@ -1,0 +1,69 @@
+"""Speculative decoding of the rollout, set through upstream's key and checked before Ray starts.
+
+    +actor_rollout_ref.rollout.engine_kwargs.vllm.speculative_config='{method: ngram, num_speculative_tokens: 4, prompt_lookup_max: 4, prompt_lookup_min: 2}'
+
+VERL hands the mapping to vLLM unchanged. vLLM drafts tokens and verifies them against the student's own
+distribution (a drafted token is kept with the student's probability of it; on a rejection the token is drawn
+from the student's distribution without it), so the samples keep that distribution whatever the drafts.
+The draft-free methods (`DRAFT_FREE`) need no second model. Refused here, each in one line: a rollout
+other than vLLM (the `hf` rollout of `+device=cpu` and `+device=gpu-hf`), a value that is not a mapping
+with a method, a method the installed vLLM does not know, and `suffix` without arctic-inference (the
+package vLLM's suffix proposer imports).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import typing
+
+from omegaconf import DictConfig, OmegaConf
+
+from opd_patches.checks import InputError
+
+KEY = "actor_rollout_ref.rollout.engine_kwargs.vllm.speculative_config"
+DRAFT_FREE = ("ngram", "ngram_gpu", "suffix")
+EXAMPLE = "{method: ngram, num_speculative_tokens: 4, prompt_lookup_max: 4, prompt_lookup_min: 2}"
+
+
+def literal_values(kind) -> set[str]:
+    """Every string of a (nested) typing.Literal, as vLLM spells its method type."""
+    values = set()
+    for arg in typing.get_args(kind):
+        values |= literal_values(arg) if typing.get_origin(arg) is typing.Literal else {arg}
+    return values
+
+
+def installed_methods() -> tuple[str, set[str]] | None:
+    """(vLLM's version, the methods its SpeculativeConfig accepts), or None without vLLM."""
+    if importlib.util.find_spec("vllm") is None:
+        return None
+    import vllm
+    from vllm.config.speculative import SpeculativeMethod
+
+    return vllm.__version__, literal_values(SpeculativeMethod)
+
+
+def check(config: DictConfig) -> dict | None:
+    """The speculative config of a run (None when unset), refused with InputError where it cannot work."""
+    spec = OmegaConf.select(config, KEY, default=None)
+    if spec is None:
+        return None
+    spec = OmegaConf.to_container(spec, resolve=True) if OmegaConf.is_config(spec) else spec
+    if not isinstance(spec, dict) or not spec.get("method"):
+        raise InputError(f"{KEY}: expected a mapping with a method, e.g. +{KEY}='{EXAMPLE}'; got {spec!r}")
+    method, rollout = spec["method"], OmegaConf.select(config, "actor_rollout_ref.rollout.name")
+    if rollout != "vllm":
+        raise InputError(f"{KEY}: speculative decoding runs in the vLLM rollout; this run's rollout is {rollout!r} "
+                         "(+device=cpu and +device=gpu-hf use the hf rollout): drop the key or run with +device=gpu")
+    found = installed_methods()
+    if found is None:
+        raise InputError(f"{KEY}: the vLLM rollout needs vLLM installed (make install PROFILE=gpu)")
+    version, known = found
+    if method not in known:
+        raise InputError(f"{KEY}: the installed vLLM {version} does not know method {method!r}; the draft-free "
+                         f"ones it knows: {', '.join(m for m in DRAFT_FREE if m in known)}")
+    if method == "suffix" and importlib.util.find_spec("arctic_inference") is None:
+        raise InputError(f"{KEY}: method 'suffix' needs arctic-inference, which vLLM's suffix proposer imports "
+                         "(pip install arctic-inference==0.1.1, the version vLLM 0.24 names; installed, it also "
+                         "patches vLLM through its plugin in every run)")
+    return spec

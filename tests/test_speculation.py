@@ -1,0 +1,71 @@
+"""Speculative decoding through upstream's key (opd_patches/checks/speculation.py): refused before Ray starts
+where it cannot work."""
+
+import importlib.util
+import os
+import subprocess
+import sys
+import typing
+from pathlib import Path
+
+import composed
+import pytest
+
+from opd_patches.checks import InputError, speculation
+
+REPO = Path(__file__).resolve().parents[1]
+NGRAM = f"+{speculation.KEY}={{method: ngram, num_speculative_tokens: 4, prompt_lookup_max: 4, prompt_lookup_min: 2}}"
+
+
+def compose(*overrides, device="cpu"):
+    return composed.compose_recipe("topk", "actor_rollout_ref.model.path=/models/student",
+                                   "distillation.teacher_models.teacher_model.model_path=/models/teacher",
+                                   "data.train_files=/data/train.parquet", "data.val_files=/data/val.parquet",
+                                   f"+device={device}", *overrides)
+
+
+def test_the_documented_override_composes_and_reaches_upstreams_key():
+    assert speculation.check(compose()) is None  # unset: nothing to check
+    config = compose(NGRAM, "actor_rollout_ref.rollout.name=vllm")
+    spec = config.actor_rollout_ref.rollout.engine_kwargs.vllm.speculative_config
+    assert dict(spec) == {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+
+
+@pytest.mark.parametrize("device", ["cpu", "gpu-hf"])
+def test_the_hf_rollout_is_refused_naming_the_key_and_the_fix(device):
+    with pytest.raises(InputError, match=r"speculative_config: speculative decoding runs in the vLLM rollout; "
+                                         r"this run's rollout is 'hf'.*run with \+device=gpu$"):
+        speculation.check(compose(NGRAM, device=device))
+
+
+def test_a_value_without_a_method_is_refused_with_an_example():
+    with pytest.raises(InputError, match=r"expected a mapping with a method, e.g. \+actor_rollout_ref"):
+        speculation.check(compose(f"+{speculation.KEY}=ngram", "actor_rollout_ref.rollout.name=vllm"))
+    with pytest.raises(InputError, match="expected a mapping with a method"):
+        speculation.check(compose(f"+{speculation.KEY}={{num_speculative_tokens: 4}}", "actor_rollout_ref.rollout.name=vllm"))
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed here: the GPU host's case")
+def test_the_vllm_rollout_without_vllm_is_refused():
+    with pytest.raises(InputError, match=r"the vLLM rollout needs vLLM installed \(make install PROFILE=gpu\)"):
+        speculation.check(compose(NGRAM, "actor_rollout_ref.rollout.name=vllm"))
+
+
+def test_the_methods_are_read_from_vllms_nested_literal():
+    kind = typing.Literal["ngram", "suffix", typing.Literal["eagle", typing.Literal["mtp"]], typing.Literal["ngram_gpu"]]
+    assert speculation.literal_values(kind) == {"ngram", "suffix", "eagle", "mtp", "ngram_gpu"}
+
+
+def test_run_sh_refuses_the_override_on_a_cpu_in_one_line_before_ray(tmp_path, embedded):
+    """The README's override on a CPU run: exit 2, one line naming the key, Ray never started."""
+    ray_tmp = tmp_path / "ray"
+    env = {**os.environ, "DEVICE": "cpu", "OUTPUT_DIR": str(tmp_path / "run"), "PYTHON": sys.executable,
+           "RAY_TMPDIR": str(ray_tmp), "STUDENT": str(embedded["student"]), "TEACHER": str(embedded["teacher"]),
+           "TRAIN_FILES": str(embedded["train"]), "VAL_FILES": str(embedded["val"])}
+    env.pop("OPD_LOCK_HELD", None)
+    out = subprocess.run([str(REPO / "run.sh"), "recipe=topk", "+overlay=smoke", NGRAM], env=env, capture_output=True,
+                         text=True, timeout=300, cwd=REPO)
+    assert out.returncode == 2 and "Traceback" not in out.stdout + out.stderr, (out.stdout + out.stderr)[-3000:]
+    assert not ray_tmp.exists()
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"[opd] refused: {speculation.KEY}: speculative decoding runs in the vLLM rollout"), last
