@@ -20,6 +20,7 @@ import pytest
 from background import POOL, Spec, shared_run
 from opd_patches.ops.budget import WallClock
 from opd_patches.study import chain
+from opd_patches.study import chain_record as record
 from opd_patches.study import deadline as dl
 from opd_patches.study.guard import session_pids
 
@@ -91,28 +92,28 @@ def test_changed_inputs_are_refused_naming_each_difference(tmp_path):
     before = {"task": None, "student": "/m/s", "recipe": "topk", "overrides": ["trainer.save_freq=50"]}
     state = {"stages": {"preflight": {"inputs": {"task": None, "student": "/m/s"}},
                         "train": {"inputs": before}}}
-    chain.check_recorded(state, {"preflight": {"task": None, "student": "/m/s"}, "train": dict(before)}, tmp_path)
+    record.check_recorded(state, {"preflight": {"task": None, "student": "/m/s"}, "train": dict(before)}, tmp_path)
     now = {**before, "recipe": "k1", "overrides": ["trainer.save_freq=25"]}
-    with pytest.raises(chain.ChainError) as err:
-        chain.check_recorded(state, {"preflight": {"task": None, "student": "/m/s"}, "train": now}, tmp_path)
+    with pytest.raises(record.ChainError) as err:
+        record.check_recorded(state, {"preflight": {"task": None, "student": "/m/s"}, "train": now}, tmp_path)
     msg = str(err.value)
     assert 'recipe: "topk" -> "k1"' in msg and 'overrides: ["trainer.save_freq=50"] -> ["trainer.save_freq=25"]' in msg
     assert str(tmp_path) in msg and "student" not in msg
     # cumulative inputs repeat a difference in every later stage: named once
     state["stages"]["select"] = {"inputs": {**before, "proxy": "math500"}}
-    with pytest.raises(chain.ChainError) as err:
-        chain.check_recorded(state, {"train": now, "select": {**now, "proxy": "math500"}}, tmp_path)
+    with pytest.raises(record.ChainError) as err:
+        record.check_recorded(state, {"train": now, "select": {**now, "proxy": "math500"}}, tmp_path)
     assert str(err.value).count("recipe:") == 1
-    assert chain.differences({"a": 1}, {"b": 1}) == ['a: 1 -> "(unset)"', 'b: "(unset)" -> 1']
+    assert record.differences({"a": 1}, {"b": 1}) == ['a: 1 -> "(unset)"', 'b: "(unset)" -> 1']
 
 
 def test_a_stage_is_skipped_only_when_finished_with_the_same_inputs_and_its_result_is_there():
     inputs = {"task": "addition", "recipe": "topk"}
     done = {"inputs": dict(inputs), "finished_at": 1.0}
-    assert chain.decide(done, inputs, result_exists=True) == "skip"
-    assert chain.decide(done, inputs, result_exists=False) == "run"  # its result deleted: made again
-    assert chain.decide({**done, "finished_at": None}, inputs, True) == "run"  # killed in the middle: continued
-    assert chain.decide(None, inputs, True) == "run"
+    assert record.decide(done, inputs, result_exists=True) == "skip"
+    assert record.decide(done, inputs, result_exists=False) == "run"  # its result deleted: made again
+    assert record.decide({**done, "finished_at": None}, inputs, True) == "run"  # killed in the middle: continued
+    assert record.decide(None, inputs, True) == "run"
 
 
 def test_arguments_are_refused_before_anything_runs(tmp_path, capsys):

@@ -9,6 +9,7 @@
     cli.py       the study itself: lock, runs, evaluations, report
     select.py    `make select`: one run's checkpoint chosen on a proxy suite, scored on the final suite
     chain.py     `make run`: data, pre-flight, training, selection, final score, report in one resumable command
+    chain_record.py  `make run`'s record (chain.json): each stage's inputs, the refusal of changed ones, skipping
     deadline.py  the deadline of `make run`: when training stops so that selection and the final score fit
     chain_report.py  `make run`'s report.md / report.json
 

@@ -31,7 +31,6 @@ state, toward the same deadline, evaluations where they stopped. Exit status: 0 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import importlib.util
 import json
 import os
@@ -44,12 +43,13 @@ from pathlib import Path
 
 from opd_patches.ops import checkpoints, receipts
 from opd_patches.study import deadline as dl
+from opd_patches.study import chain_record as record
 from opd_patches.study import runner, select
+from opd_patches.study.chain_record import ChainError, check_recorded, decide, files_fingerprint
 from opd_patches.study.cli import STOP_SIGNALS, _interrupt
 from opd_patches.study.progress import RunProgress, human
 from opd_patches.study.spec import REPO
 
-STATE = "chain.json"
 STAGES = ("data-eval", "data", "preflight", "train", "select", "final", "report")
 TASK_STAGES = ("preflight", "train", "select", "final", "report")
 TASKS = ("addition",)
@@ -63,55 +63,12 @@ OWN_KEYS = ("opd.wall_clock_s", "opd.reserve_s", "trainer.default_local_dir", "t
 PUBLISHED_QUESTIONS = {"math500.jsonl": 500, "aime24.jsonl": 30, "aime25.jsonl": 30}
 
 
-class ChainError(ValueError):
-    """Input the chain cannot work with, or inputs that differ from the recorded ones; exit 2."""
-
-
 class StageFailed(RuntimeError):
     """A stage ran and failed; the message names its log; exit 1."""
 
 
 def log(msg: str) -> None:
     print(f"[run] {msg}", flush=True)
-
-
-def files_fingerprint(path: str) -> str:
-    """A model folder's identity, cheap to recompute at every launch: each file's relative path, size and
-    modification time (a rewritten model changes it); a hub id is known by its name only."""
-    folder = Path(path).expanduser()
-    if not folder.is_dir():
-        return "not a local folder"
-    h = hashlib.sha256()
-    for f in sorted(p for p in folder.rglob("*") if p.is_file()):
-        st = f.stat()
-        h.update(f"{f.relative_to(folder).as_posix()}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
-    return h.hexdigest()[:16]
-
-
-def differences(old: dict, new: dict) -> list[str]:
-    """`key: old -> new` for every key whose value differs (a key on one side only included)."""
-    gone = "(unset)"
-    return [f"{k}: {json.dumps(old.get(k, gone))} -> {json.dumps(new.get(k, gone))}"
-            for k in sorted(set(old) | set(new)) if old.get(k, gone) != new.get(k, gone)]
-
-
-def check_recorded(state: dict, inputs: dict[str, dict], out: Path) -> None:
-    """ChainError naming every difference between a recorded stage's inputs and this launch's."""
-    found: list[str] = []
-    for stage, record in state.get("stages", {}).items():
-        if stage in inputs:
-            found += [d for d in differences(record.get("inputs", {}), inputs[stage]) if d not in found]
-    if found:
-        raise ChainError(f"{out} holds a run made with other inputs ({'; '.join(found)}); its results would mix with "
-                         f"this one's. Give the same inputs to continue it, or another OUT= (or delete {out}) to start anew")
-
-
-def decide(record: dict | None, inputs: dict, result_exists: bool) -> str:
-    """'skip' when the stage finished with these inputs and its result is still there, else 'run' (a
-    record with other inputs never reaches here: check_recorded refuses it first)."""
-    if record and record.get("finished_at") and record.get("inputs") == inputs and result_exists:
-        return "skip"
-    return "run"
 
 
 def detect_device() -> str:
@@ -224,27 +181,6 @@ class Chain:
 
     def _eval_files_digest(self) -> dict:
         return {p.name: receipts.sha256(p) for p in sorted(self.eval_dir.glob("*.jsonl"))}
-
-    # ---- state ------------------------------------------------------------------------------------------
-    def load_state(self) -> None:
-        try:
-            self.state = json.loads((self.out / STATE).read_text())
-        except FileNotFoundError:
-            self.state = {}
-        except ValueError as exc:
-            raise ChainError(f"{self.out / STATE} is not JSON ({exc}): restore it or start in another OUT=") from None
-
-    def save_state(self) -> None:
-        receipts.atomic_write_json(self.out / STATE, self.state)
-
-    def record(self, stage: str, inputs: dict, started: float, finished: bool, note: str = "") -> None:
-        rec = self.state.setdefault("stages", {}).get(stage) or {}
-        rec.update(inputs=inputs, wall_s=round(float(rec.get("wall_s", 0.0)) + time.time() - started, 1),
-                   launches=int(rec.get("launches", 0)) + 1, finished_at=time.time() if finished else None)
-        if note:
-            rec["note"] = note
-        self.state["stages"][stage] = rec
-        self.save_state()
 
     # ---- the estimate -----------------------------------------------------------------------------------
     def _suite_cost(self, suite: str, sel) -> dict:
@@ -424,7 +360,7 @@ class Chain:
     def prepare(self) -> None:
         """Inputs checked against the record, the deadline fixed and the estimate printed, before any stage runs."""
         self.out.mkdir(parents=True, exist_ok=True)
-        self.load_state()
+        self.state = record.load(self.out)
         if self.task:  # the task's models and data, built once (cached in .cache/<task>) as run.sh would
             self.child("task", [sys.executable, "-m", "opd_patches.embedded", "--task", self.task,
                                 "--out", str(REPO / ".cache" / self.task)])
@@ -434,7 +370,7 @@ class Chain:
         self.state["deadline"] = dl.fix_deadline(stored, self.args.deadline, self.args.wall_clock, time.time())
         self.config = compose(self.args.recipe, self.train_overrides(), self.device)
         self.state.setdefault("launches", []).append(time.time())
-        self.save_state()
+        record.save(self.out, self.state)
         log(f"{self.out}: stages {', '.join(self.stages)}" + (f" (only {self.args.stage})" if self.args.stage else "")
             + f"; recipe {self.args.recipe}; device {self.device}")
         self.estimate = self.make_estimate()
@@ -458,9 +394,11 @@ class Chain:
             try:
                 note = getattr(self, "stage_" + stage.replace("-", "_"))() or ""
             except BaseException:
-                self.record(stage, inputs, started, finished=False)
+                record.stage_done(self.state, stage, inputs, started, finished=False)
+                record.save(self.out, self.state)
                 raise
-            self.record(stage, inputs, started, finished=stage != "report", note=note)
+            record.stage_done(self.state, stage, inputs, started, finished=stage != "report", note=note)
+            record.save(self.out, self.state)
             log(f"{stage}: done ({human(time.time() - started)})")
         return 0
 
