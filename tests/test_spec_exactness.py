@@ -1,0 +1,58 @@
+"""The statistics of tools/spec_exactness.py (the GPU check that speculation keeps the sampling distribution),
+against closed forms and on samples whose distributions are known."""
+
+import math
+import random
+
+import pytest
+
+from tools import spec_exactness as se
+
+
+@pytest.mark.parametrize("x", [0.1, 1.0, 3.841, 9.21, 20.0])
+def test_chi2_survival_matches_the_closed_forms(x):
+    assert se.chi2_sf(x, 2) == pytest.approx(math.exp(-x / 2), rel=1e-9)  # df 2: exponential
+    assert se.chi2_sf(x, 1) == pytest.approx(math.erfc(math.sqrt(x / 2)), rel=1e-9)  # df 1: squared normal
+
+
+def chain(rng: random.Random, n: int, length: int, tilt: dict | None = None) -> list[list[int]]:
+    """Sequences of a fixed Markov chain over 6 tokens (token 5 ends a sequence); `tilt` {position: (token, q)}:
+    at that position the token is replaced by `token` with probability q (a biased sampler)."""
+    table = {s: [(s * 7 + t * 3) % 11 + 1 for t in range(6)] for s in range(-1, 6)}
+    out = []
+    for _ in range(n):
+        seq, state = [], -1
+        for pos in range(1, length + 1):
+            token = rng.choices(range(6), weights=table[state])[0]
+            if tilt and pos in tilt and rng.random() < tilt[pos][1]:
+                token = tilt[pos][0]
+            seq.append(token)
+            if token == 5:
+                break
+            state = token
+        out.append(seq)
+    return out
+
+
+def test_two_samples_of_one_sampler_pass_and_the_planted_bias_is_rejected():
+    plain, spec = chain(random.Random(1), 2000, 8), chain(random.Random(2), 2000, 8)
+    result = se.compare({"q": plain}, {"q": spec}, [1, 2, 4, 8], alpha=0.01, bias=0.1)
+    assert result["exact"], min(t["p"] for t in result["tests"])
+    assert result["planted_rejected"]
+    assert result["level_per_test"] == pytest.approx(0.01 / 4)
+
+
+def test_a_sampler_off_at_one_position_is_caught():
+    """A speculative sampler that keeps a drafted token too often (here token 2 at position 4, 15 % of the time)."""
+    plain, spec = chain(random.Random(1), 2000, 8), chain(random.Random(2), 2000, 8, tilt={4: (2, 0.15)})
+    result = se.compare({"q": plain}, {"q": spec}, [1, 2, 4, 8], alpha=0.01, bias=0.1)
+    assert not result["exact"]
+    assert [t["position"] for t in result["tests"] if t["p"] <= result["level_per_test"]] == [4]
+
+
+def test_rare_categories_are_pooled_and_ended_samples_count_as_their_own_category():
+    a, b = [1] * 50 + [2] * 50 + [3], [1] * 50 + [2] * 50 + [4]
+    r = se.homogeneity(a, b)
+    assert r["df"] == 2 and r["p"] > 0.9  # {1}, {2} and the pooled {3, 4}
+    assert se.token_at([[7, 8], [7]], 2) == [8, "end"]
+    assert se.homogeneity([1] * 10, [1] * 10) == {"stat": 0.0, "df": 0, "p": 1.0}

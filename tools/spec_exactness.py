@@ -1,0 +1,194 @@
+"""Whether vLLM's speculative decoding keeps the student's sampling distribution: samples with and without it.
+
+    python -m tools.spec_exactness --model .cache/addition/student [--samples 2000] [--prompts 4]
+        [--positions 1,2,4,8,16] [--spec '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
+        "prompt_lookup_min": 2}'] [--alpha 0.01] [--bias 0.1] [--out outputs/spec_exactness.json]
+
+For each of the known-answer task's first `--prompts` held-out questions (the model's chat template), two
+engines draw `--samples` continuations at temperature 1: one plain, one with `--spec`, each in its own child
+process with the training rollout's compilation settings (opd_patches/eval/vllm_backend.py) and
+disjoint per-request seeds, so that the two sets are independent. At each position of `--positions`, the
+tokens there of the two sets are compared by a chi-square test of homogeneity (`homogeneity`), at level
+`--alpha` over all tests (Bonferroni). Three checks, all needed for exit 0:
+- exact: no test rejects plain against speculative;
+- power: the same tests reject a planted biased sampler, the speculative samples with each tested token
+  replaced, with probability `--bias`, by the plain samples' most frequent token there (`plant_bias`);
+- exercised: the speculative engine's counters show drafted and accepted tokens (vLLM's spec-decode metrics).
+Needs a GPU and vLLM; the statistics run on a CPU too (tests/test_spec_exactness.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+MIN_EXPECTED = 5.0  # the chi-square approximation's usual floor per cell
+
+
+def chi2_sf(x: float, df: int) -> float:
+    """P(X > x) for X ~ chi-square with df degrees of freedom: the regularized upper incomplete gamma."""
+    import torch
+
+    if df <= 0:
+        return 1.0
+    return float(torch.special.gammaincc(torch.tensor(df / 2.0, dtype=torch.float64),
+                                         torch.tensor(x / 2.0, dtype=torch.float64)))
+
+
+def homogeneity(a: list, b: list) -> dict:
+    """Chi-square test that two independent samples of categories come from one distribution. Categories with
+    fewer than MIN_EXPECTED expected in either sample are pooled into one; {"stat", "df", "p"} (p 1.0 when
+    fewer than two categories remain: nothing to compare)."""
+    ca, cb = Counter(a), Counter(b)
+    na, nb = len(a), len(b)
+    n = na + nb
+    cells, pooled = [], [0, 0]
+    for key in set(ca) | set(cb):
+        total = ca[key] + cb[key]
+        if min(total * na / n, total * nb / n) >= MIN_EXPECTED:
+            cells.append((ca[key], cb[key]))
+        else:
+            pooled[0] += ca[key]
+            pooled[1] += cb[key]
+    if sum(pooled):
+        cells.append(tuple(pooled))
+    if len(cells) < 2:
+        return {"stat": 0.0, "df": 0, "p": 1.0}
+    stat = 0.0
+    for oa, ob in cells:
+        total = oa + ob
+        for observed, size in ((oa, na), (ob, nb)):
+            expected = total * size / n
+            stat += (observed - expected) ** 2 / expected
+    df = len(cells) - 1
+    return {"stat": stat, "df": df, "p": chi2_sf(stat, df)}
+
+
+def token_at(samples: list[list[int]], position: int) -> list:
+    """The token at 1-based `position` of each sample, or "end" for a sample that ended before it."""
+    return [s[position - 1] if len(s) >= position else "end" for s in samples]
+
+
+def plant_bias(samples: list[list[int]], reference: list[list[int]], positions: list[int], bias: float,
+               seed: int = 0) -> list[list]:
+    """`samples` with the token at each of `positions` replaced, with probability `bias`, by the reference's
+    most frequent token there: a sampler whose marginals are off by at most `bias`."""
+    rng = random.Random(seed)
+    top = {k: Counter(token_at(reference, k)).most_common(1)[0][0] for k in positions}
+    out = []
+    for s in samples:
+        s = list(s) + ["end"] * max(0, max(positions) - len(s))
+        for k in positions:
+            if rng.random() < bias:
+                s[k - 1] = top[k]
+        out.append(s)
+    return out
+
+
+def compare(plain: dict, spec: dict, positions: list[int], alpha: float, bias: float) -> dict:
+    """The exact and power checks over every prompt and position; `plain` and `spec` map a prompt to its samples."""
+    tests, planted = [], []
+    for prompt in plain:
+        biased = plant_bias(spec[prompt], plain[prompt], positions, bias)
+        for k in positions:
+            tests.append({"prompt": prompt, "position": k,
+                          **homogeneity(token_at(plain[prompt], k), token_at(spec[prompt], k))})
+            planted.append({"prompt": prompt, "position": k,
+                            **homogeneity(token_at(plain[prompt], k), token_at(biased, k))})
+    level = alpha / max(1, len(tests))
+    return {"level_per_test": level, "tests": tests, "planted": planted,
+            "exact": all(t["p"] > level for t in tests), "planted_rejected": any(t["p"] <= level for t in planted)}
+
+
+# ---- the GPU part -------------------------------------------------------------------------------------------
+def prompts(model: str, n: int) -> list[str]:
+    from transformers import AutoTokenizer
+
+    from opd_patches.embedded import addition
+    from opd_patches.task import prompt
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    return [prompt.render(tokenizer, q["problem"]) for q in addition.questions(n)]
+
+
+def draw(args) -> dict:
+    """Child: one engine's samples ({prompt: [[token ids], ...]}) and its spec-decode counters."""
+    import os
+
+    os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")  # as the evaluation backend, before vLLM's import
+    from vllm import LLM, SamplingParams
+
+    from opd_patches.eval.vllm_backend import ROLLOUT_COMPILATION
+
+    spec = json.loads(args.spec) if args.engine == "spec" else None
+    llm = LLM(model=args.model, dtype="auto", seed=0, max_model_len=1024, gpu_memory_utilization=0.3,
+              compilation_config=dict(ROLLOUT_COMPILATION), disable_log_stats=False,
+              **({"speculative_config": spec} if spec else {}))
+    texts = prompts(args.model, args.prompts)
+    first = 0 if args.engine == "plain" else args.samples  # disjoint seeds: independent sets
+    out = {}
+    for text in texts:
+        params = [SamplingParams(temperature=1.0, top_p=1.0, max_tokens=max(args.positions), seed=first + i)
+                  for i in range(args.samples)]
+        results = llm.generate([text] * args.samples, params, use_tqdm=False)
+        out[text] = [list(r.outputs[0].token_ids) for r in results]
+    counters = {}
+    for metric in llm.get_metrics():
+        if "spec_decode_num_draft_tokens" in metric.name or "spec_decode_num_accepted_tokens" in metric.name:
+            counters[metric.name] = getattr(metric, "value", None)
+    return {"samples": out, "counters": counters}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m tools.spec_exactness", description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=str(REPO / ".cache" / "addition" / "student"))
+    ap.add_argument("--samples", type=int, default=2000)
+    ap.add_argument("--prompts", type=int, default=4)
+    ap.add_argument("--positions", default="1,2,4,8,16")
+    ap.add_argument("--spec", default=json.dumps(NGRAM), help="speculative_config as JSON")
+    ap.add_argument("--alpha", type=float, default=0.01)
+    ap.add_argument("--bias", type=float, default=0.1)
+    ap.add_argument("--out", type=Path, default=REPO / "outputs" / "spec_exactness.json")
+    ap.add_argument("--engine", choices=["plain", "spec"], help=argparse.SUPPRESS)  # the child's part
+    ap.add_argument("--child-out", type=Path, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    args.positions = sorted({int(p) for p in args.positions.split(",")})
+    if args.engine:
+        args.child_out.write_text(json.dumps(draw(args)))
+        return 0
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    drawn = {}
+    for engine in ("plain", "spec"):
+        child_out = args.out.with_suffix(f".{engine}.json")
+        cmd = [sys.executable, "-m", "tools.spec_exactness", "--engine", engine, "--child-out", str(child_out),
+               "--model", args.model, "--samples", str(args.samples), "--prompts", str(args.prompts),
+               "--positions", ",".join(map(str, args.positions)), "--spec", args.spec]
+        print(f"[spec-exactness] {engine}: {args.samples} samples x {args.prompts} prompts", flush=True)
+        if subprocess.run(cmd, cwd=REPO).returncode != 0:
+            print(f"[spec-exactness] the {engine} engine failed", file=sys.stderr)
+            return 1
+        drawn[engine] = json.loads(child_out.read_text())
+    result = compare(drawn["plain"]["samples"], drawn["spec"]["samples"], args.positions, args.alpha, args.bias)
+    counters = drawn["spec"]["counters"]
+    drafted = sum(v for k, v in counters.items() if "draft_tokens" in k and v)
+    accepted = sum(v for k, v in counters.items() if "accepted_tokens" in k and "per_pos" not in k and v)
+    result.update(spec=json.loads(args.spec), samples=args.samples, prompts=args.prompts, positions=args.positions,
+                  alpha=args.alpha, bias=args.bias, counters=counters, drafted=drafted, accepted=accepted,
+                  exercised=drafted > 0 and accepted > 0)
+    args.out.write_text(json.dumps(result, indent=1))
+    worst = min(result["tests"], key=lambda t: t["p"])
+    print(f"[spec-exactness] exact: {result['exact']} (smallest p {worst['p']:.3g} at position {worst['position']}, "
+          f"level per test {result['level_per_test']:.3g}); planted bias {args.bias} rejected: "
+          f"{result['planted_rejected']}; drafted {drafted}, accepted {accepted}; {args.out}", flush=True)
+    return 0 if result["exact"] and result["planted_rejected"] and result["exercised"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
