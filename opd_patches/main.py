@@ -269,6 +269,21 @@ def apply_old_log_prob(config: DictConfig) -> None:
         raise ConfigError(str(exc)) from exc
 
 
+def apply_speculation(config: DictConfig) -> None:
+    """With upstream's `speculative_config` (checked in run(): opd_patches/checks/speculation.py), the engine logs
+    statistics, so that each rollout server serves its draft counters (opd_patches/rollout/spec_metrics.py)."""
+    from opd_patches.checks import speculation
+
+    spec = OmegaConf.select(config, speculation.KEY, default=None)
+    if spec is None:
+        return
+    with open_dict(config):
+        config.actor_rollout_ref.rollout.disable_log_stats = False
+    print(f"[opd] speculative decoding: {OmegaConf.to_container(spec) if OmegaConf.is_config(spec) else spec}; "
+          "actor_rollout_ref.rollout.disable_log_stats=false (the acceptance is logged per step as rollout/spec_*)",
+          flush=True)
+
+
 def apply_logging(config: DictConfig) -> None:
     """`trainer.logger` always keeps VERL's `file` logger: metrics.jsonl in the run folder is what the run
     summary, `make plot` and studies read, whatever else (tensorboard, wandb) a user turns on."""
@@ -379,6 +394,7 @@ def prepare(config: DictConfig) -> Path:
     apply_cpu_dtype(config)
     apply_old_log_prob(config)
     apply_export(config)
+    apply_speculation(config)
     apply_logging(config)
     run_dir = Path(os.path.expanduser(config.trainer.default_local_dir)).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)

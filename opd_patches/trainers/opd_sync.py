@@ -38,7 +38,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from omegaconf import DictConfig, open_dict
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 # As in opd_patches/trainers/colocated_teacher.py: the `cpu` platform must be registered before VERL's trainer
 # module imports its engines.
@@ -47,10 +47,12 @@ from verl.trainer.ppo.v1.trainer_base import register_trainer
 from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 
 from opd_patches import config as opd_config
+from opd_patches.checks.speculation import KEY as SPEC_KEY
 from opd_patches.ops import checkpoints, finish, liveness
 from opd_patches.ops import nonfinite as guard
 from opd_patches.ops import run_summary as summary
 from opd_patches.ops.budget import WallClock
+from opd_patches.rollout import spec_metrics
 from opd_patches.patches import replay_poll_interval
 
 NAME = "opd_sync"
@@ -86,6 +88,8 @@ class OpsTrainerMixin:
             # a trainer built without opd_patches.main (no launch time recorded) counts from its construction
             launched_at=opd.launched_at if opd.launched_at is not None else time.time(),
         )
+        # vLLM's draft counters are read around each step when the rollout speculates (rollout/spec_metrics.py)
+        self.ops_speculates = OmegaConf.select(config, SPEC_KEY, default=None) is not None
         self.ops_validate = opd.validate_after_save
         self.ops_validate_timeout = opd.validate_timeout_s
         self.ops_background = opd.background_save
@@ -241,7 +245,11 @@ class OpsTrainerMixin:
         return super().on_step_begin()
 
     def step(self, metrics: dict, timing_raw: dict):
+        servers = self._ops_spec_servers()
+        before = spec_metrics.read(servers) if servers else None
         batch = super().step(metrics, timing_raw)
+        if servers:
+            metrics.update(spec_metrics.step_metrics(before, spec_metrics.read(servers)))
         guard.check_metrics(metrics, self.global_steps)  # before any save of this step
         self._ops_last_done = self.global_steps
         self._ops_steps_this_process += 1
@@ -255,6 +263,13 @@ class OpsTrainerMixin:
             if stop:
                 self._ops_stop_reason = why
         return batch
+
+    def _ops_spec_servers(self) -> list[str]:
+        """The rollout servers' addresses when the rollout speculates (their counters: rollout/spec_metrics.py)."""
+        if not self.ops_speculates:
+            return []
+        manager = getattr(self, "llm_server_manager", None)
+        return list(getattr(manager, "server_addresses", None) or [])
 
     def on_step_end(self):
         if self._ops_stop_reason is None:

@@ -1,0 +1,92 @@
+"""The rollout's speculation figures per step (opd_patches/rollout/spec_metrics.py): vLLM's draft counters read
+over HTTP from each server's /metrics, here from servers exposing counters through prometheus_client as vLLM's
+do, and the engine made to log its statistics when a speculative_config is given."""
+
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import composed
+import pytest
+from prometheus_client import CollectorRegistry, Counter, generate_latest
+
+from opd_patches import main
+from opd_patches.checks import speculation
+from opd_patches.rollout import spec_metrics
+
+
+class Server:
+    """An HTTP server whose /metrics is a registry holding vLLM's three spec-decode counters, one label set per engine."""
+
+    def __init__(self, engines=1):
+        self.registry = CollectorRegistry()
+        self.counters = {key: Counter(name, key, ["engine"], registry=self.registry)
+                         for key, name in spec_metrics.COUNTERS.items()}
+        for counter in self.counters.values():
+            for engine in range(engines):
+                counter.labels(engine=str(engine))  # exposed at 0 from the start, as vLLM's are
+        registry = self.registry
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self):
+                body = generate_latest(registry) if self.path == "/metrics" else b""
+                self.send_response(200 if body else 404)
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args):
+                pass
+
+        self.http = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.address = f"127.0.0.1:{self.http.server_address[1]}"
+        threading.Thread(target=self.http.serve_forever, daemon=True).start()
+
+    def add(self, engine=0, **counts):
+        for key, n in counts.items():
+            self.counters[key].labels(engine=str(engine)).inc(n)
+
+
+@pytest.fixture
+def servers():
+    made = [Server(engines=2), Server()]
+    yield made
+    for s in made:
+        s.http.shutdown()
+
+
+def test_a_step_reads_the_counters_summed_over_servers_and_engines(servers):
+    addresses = [s.address for s in servers]
+    servers[0].add(drafts=3, drafted=12, accepted=5)  # before the step: not this step's
+    before = spec_metrics.read(addresses)
+    servers[0].add(engine=1, drafts=10, drafted=40, accepted=20)
+    servers[1].add(drafts=30, drafted=120, accepted=10)
+    after = spec_metrics.read(addresses)
+    assert after == {"drafts": 43.0, "drafted": 172.0, "accepted": 35.0}
+    m = spec_metrics.step_metrics(before, after)
+    assert m == {"rollout/spec_drafted_tokens": 160.0, "rollout/spec_accepted_tokens": 30.0,
+                 "rollout/spec_engine_accept_rate": pytest.approx(30 / 160),
+                 "rollout/spec_engine_accept_length": pytest.approx(1 + 30 / 40)}
+
+
+def test_a_step_without_drafts_logs_zero_totals_and_no_ratio(servers):
+    before = spec_metrics.read([servers[1].address])
+    assert spec_metrics.step_metrics(before, spec_metrics.read([servers[1].address])) == {
+        "rollout/spec_drafted_tokens": 0.0, "rollout/spec_accepted_tokens": 0.0}
+
+
+def test_an_unreachable_server_gives_no_figures(servers):
+    gone = Server()
+    gone.http.shutdown()
+    gone.http.server_close()
+    assert spec_metrics.read([servers[0].address, gone.address], timeout_s=2) is None
+    assert spec_metrics.step_metrics(None, spec_metrics.read([servers[0].address])) == {}
+
+
+def test_a_speculative_config_makes_the_engine_log_its_statistics():
+    base = ("actor_rollout_ref.model.path=/m/s", "distillation.teacher_models.teacher_model.model_path=/m/t",
+            "data.train_files=/d/t.parquet", "data.val_files=/d/v.parquet", "+device=cpu")
+    plain = composed.compose_recipe("topk", *base)
+    main.apply_speculation(plain)
+    assert plain.actor_rollout_ref.rollout.disable_log_stats is True  # upstream's default, left alone
+    spec = composed.compose_recipe("topk", *base, f"+{speculation.KEY}={{method: ngram, num_speculative_tokens: 4}}")
+    main.apply_speculation(spec)
+    assert spec.actor_rollout_ref.rollout.disable_log_stats is False
