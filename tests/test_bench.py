@@ -141,3 +141,21 @@ def test_step_phase_runs_two_recipes_at_once_and_reads_verl_timings(bench_step_r
     assert set(rows) == {f"step/{name}/hf/{step}" for name in BENCH_RECIPES for step in (1, 2)}
     for r in rows.values():
         assert r["timing_s/gen"] > 0 and r["timing_s/update_actor"] > 0 and r["ref_time_s"] <= r["time_s"] * 1.01
+
+
+def test_specdecode_rows_pair_each_speculative_run_with_the_plain_one():
+    """tools/bench/spec_decode.py (GPU): a speculative row's ratio is its time over the plain row's at the same
+    batch and temperature; plain rows have none."""
+    from tools.bench.spec_decode import pair_rows
+
+    def row(engine, batch, temperature, seconds, drafts=0.0, accepted=0.0):
+        return {"engine": engine, "batch": batch, "temperature": temperature, "tokens": 1024, "seconds": seconds,
+                "drafts": drafts, "accepted": accepted}
+
+    rows = pair_rows([row("plain", 32, 1.0, 4.0), row("plain", 8, 0.1, 3.0),
+                      row("spec", 32, 1.0, 5.0), row("spec", 8, 0.1, 1.5, drafts=100, accepted=250)], "rollout")
+    by = {r["name"]: r for r in rows}
+    assert by["specdecode/rollout/spec/b32/T1"]["ratio"] == 1.25
+    assert by["specdecode/rollout/spec/b8/T0.1"]["ratio"] == 0.5 and by["specdecode/rollout/spec/b8/T0.1"]["ref_time_s"] == 3.0
+    assert by["specdecode/rollout/plain/b8/T0.1"]["ratio"] is None
+    assert by["specdecode/rollout/plain/b32/T1"]["tok_per_s"] == 32 * 1024 / 4.0
