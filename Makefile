@@ -1,4 +1,4 @@
-# make install | smoke | smoke-gpu [PART=train|eval] | test | test-fast | lint | vendor-check | validate CKPT=... | preflight STUDENT=... TEACHER=... | vendor
+# make install | smoke | smoke-gpu [PART=train|eval|chain] | test | test-fast | lint | vendor-check | validate CKPT=... | preflight STUDENT=... TEACHER=... | vendor
 # make checkpoints RUN=... [VERIFY=1]   (a run folder's trainer states: step, complete, export validation)
 # make patch [BASE=ref] [PATCH_FILE=opd.patch] | patch-check [BASE=ref]   (the submission patch)
 # make data SRC=... [OUT=...] | data-eval EVAL_SETS=... | eval MODEL=... SUITE=math500|aime|embedded [OUT=...] | plot RUN=...   (data, evaluation)

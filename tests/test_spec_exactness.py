@@ -3,6 +3,7 @@ against closed forms and on samples whose distributions are known."""
 
 import math
 import random
+from collections import Counter
 
 import pytest
 
@@ -36,23 +37,31 @@ def chain(rng: random.Random, n: int, length: int, tilt: dict | None = None) -> 
 
 def test_two_samples_of_one_sampler_pass_and_the_planted_bias_is_rejected():
     plain, spec = chain(random.Random(1), 2000, 8), chain(random.Random(2), 2000, 8)
-    result = se.compare({"q": plain}, {"q": spec}, [1, 2, 4, 8], alpha=0.01, bias=0.1)
+    result = se.compare({"q": plain}, {"q": spec}, [2, 3, 4, 8], alpha=0.01, bias=0.2, min_shift=0.1)
     assert result["exact"], min(t["p"] for t in result["tests"])
-    assert result["planted_rejected"]
     assert result["level_per_test"] == pytest.approx(0.01 / 4)
+    # the planted sampler moves bias x (1 - top share) of each position's probability onto its top token
+    assert result["planted_tests"] >= 2 and result["planted_rejected"], result["planted"]
+    for t in result["planted"]:
+        top_share = max(Counter(se.token_at(spec, t["position"])).values()) / len(spec)
+        assert t["shift"] == pytest.approx(0.2 * (1 - top_share))
 
 
 def test_a_sampler_off_at_one_position_is_caught():
     """A speculative sampler that keeps a drafted token too often (here token 2 at position 4, 15 % of the time)."""
     plain, spec = chain(random.Random(1), 2000, 8), chain(random.Random(2), 2000, 8, tilt={4: (2, 0.15)})
-    result = se.compare({"q": plain}, {"q": spec}, [1, 2, 4, 8], alpha=0.01, bias=0.1)
+    result = se.compare({"q": plain}, {"q": spec}, [2, 3, 4, 8], alpha=0.01, bias=0.2, min_shift=0.1)
     assert not result["exact"]
     assert [t["position"] for t in result["tests"] if t["p"] <= result["level_per_test"]] == [4]
 
 
-def test_rare_categories_are_pooled_and_ended_samples_count_as_their_own_category():
-    a, b = [1] * 50 + [2] * 50 + [3], [1] * 50 + [2] * 50 + [4]
+def test_the_rarest_tokens_share_one_cell_and_ended_samples_count_as_their_own_category():
+    a = [1] * 50 + [2] * 50 + [3] * 6 + [5] * 3
+    b = [1] * 50 + [2] * 50 + [4] * 6 + [5] * 3
     r = se.homogeneity(a, b)
-    assert r["df"] == 2 and r["p"] > 0.9  # {1}, {2} and the pooled {3, 4}
+    assert r["df"] == 2 and r["p"] > 0.9  # {1}, {2} and the rest {3, 4, 5}
+    assert se.homogeneity(a, b, max_cells=2)["df"] == 1  # {1} and the rest
+    few = se.homogeneity([1] * 50 + [2] * 50 + [3], [1] * 50 + [2] * 50 + [4])
+    assert few["df"] == 1  # the rest expects under 5 in each: merged into the smallest kept cell
     assert se.token_at([[7, 8], [7]], 2) == [8, "end"]
     assert se.homogeneity([1] * 10, [1] * 10) == {"stat": 0.0, "df": 0, "p": 1.0}

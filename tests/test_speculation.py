@@ -5,7 +5,6 @@ import importlib.util
 import os
 import subprocess
 import sys
-import typing
 from pathlib import Path
 
 import composed
@@ -51,9 +50,21 @@ def test_the_vllm_rollout_without_vllm_is_refused():
         speculation.check(compose(NGRAM, "actor_rollout_ref.rollout.name=vllm"))
 
 
-def test_the_methods_are_read_from_vllms_nested_literal():
-    kind = typing.Literal["ngram", "suffix", typing.Literal["eagle", typing.Literal["mtp"]], typing.Literal["ngram_gpu"]]
-    assert speculation.literal_values(kind) == {"ngram", "suffix", "eagle", "mtp", "ngram_gpu"}
+def test_a_method_the_installed_vllm_does_not_know_is_refused_naming_the_ones_it_does(monkeypatch):
+    """vLLM's SpeculativeConfig method list, as installed_methods reads it on a GPU host (no vLLM here)."""
+    monkeypatch.setattr(speculation, "installed_methods", lambda: ("0.24.0", {"ngram", "suffix", "eagle"}))
+    with pytest.raises(InputError, match=r"the installed vLLM 0.24.0 does not know method 'ngram_gpu'; "
+                                         r"the draft-free ones it knows: ngram, suffix$"):
+        speculation.check(compose(NGRAM.replace("ngram", "ngram_gpu", 1), "actor_rollout_ref.rollout.name=vllm"))
+    spec = speculation.check(compose(NGRAM, "actor_rollout_ref.rollout.name=vllm"))
+    assert spec["method"] == "ngram" and spec["num_speculative_tokens"] == 4
+
+
+@pytest.mark.skipif(importlib.util.find_spec("arctic_inference") is not None, reason="arctic-inference is installed")
+def test_suffix_without_arctic_inference_is_refused(monkeypatch):
+    monkeypatch.setattr(speculation, "installed_methods", lambda: ("0.24.0", {"ngram", "suffix"}))
+    with pytest.raises(InputError, match=r"method 'suffix' needs arctic-inference"):
+        speculation.check(compose(f"+{speculation.KEY}={{method: suffix}}", "actor_rollout_ref.rollout.name=vllm"))
 
 
 def test_run_sh_refuses_the_override_on_a_cpu_in_one_line_before_ray(tmp_path, embedded):

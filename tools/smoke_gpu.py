@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -162,7 +163,10 @@ def check_chain(code: int, out: Path) -> list[str]:
         selection = json.loads((out / "train" / "select" / "selection.json").read_text())
     except (OSError, ValueError) as exc:
         return problems + [f"no report or selection: {exc}"]
-    counts = json.loads((out / "data" / "data_report.json").read_text())["counts"]
+    try:
+        counts = json.loads((out / "data" / "data_report.json").read_text())["counts"]
+    except (OSError, ValueError, KeyError) as exc:
+        return problems + [f"no data report: {exc!r}"]
     if counts.get("read", 0) - counts.get("decontaminated", 0) != 1:
         problems.append(f"decontamination removed {counts.get('read', 0) - counts.get('decontaminated', 0)} rows, expected 1")
     final = selection.get("final") or {}
@@ -181,7 +185,7 @@ def chain(args) -> dict:
     student, teacher = build_r1_models(args.out / "r1_arch", "cuda")
     dapo, sets = chain_inputs(args.out / "chain_inputs", args.limit)
     out = args.out / "chain"
-    subprocess.run(["rm", "-rf", str(out)], check=True)
+    shutil.rmtree(out, ignore_errors=True)
     cap = args.max_response_length
     cmd = [sys.executable, "-m", "opd_patches.study.chain", "--student", str(student), "--teacher", str(teacher),
            "--dapo", str(dapo), "--recipe", args.recipe, "--out", str(out), "--wall-clock", str(args.chain_wall_clock),
@@ -191,14 +195,19 @@ def chain(args) -> dict:
            f"trainer.save_freq={args.steps}", *args.override]
     print(f"[smoke-gpu] chain: {' '.join(cmd)}", flush=True)
     start = time.monotonic()
-    code = subprocess.run(cmd, cwd=REPO, env={**os.environ, "PYTHONUNBUFFERED": "1"}).returncode
+    try:  # past its deadline by the slack the chain keeps for its own stop, the run hangs
+        code = subprocess.run(cmd, cwd=REPO, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                              timeout=args.chain_wall_clock + 600).returncode
+    except subprocess.TimeoutExpired:
+        code = "timed out"
     problems = check_chain(code, out)
     result = {"returncode": code, "wall_s": round(time.monotonic() - start, 1), "out": str(out), "command": cmd[1:],
               "ok": not problems, "problems": problems}
-    if (out / "report.json").exists():
+    try:
         report = json.loads((out / "report.json").read_text())
-        result["stages"] = report.get("stages")
-        result["selection"] = report.get("selection")
+        result.update(stages=report.get("stages"), selection=report.get("selection"))
+    except (OSError, ValueError):
+        pass  # check_chain named it
     return result
 
 

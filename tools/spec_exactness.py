@@ -1,18 +1,21 @@
 """Whether vLLM's speculative decoding keeps the student's sampling distribution: samples with and without it.
 
-    python -m tools.spec_exactness --model .cache/addition/student [--samples 2000] [--prompts 4]
-        [--positions 1,2,4,8,16] [--spec '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
-        "prompt_lookup_min": 2}'] [--alpha 0.01] [--bias 0.1] [--out outputs/spec_exactness.json]
+    python -m tools.spec_exactness --model .cache/addition/student [--samples 4000] [--prompts 4]
+        [--positions 2,3,4,8,16] [--spec '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
+        "prompt_lookup_min": 2}'] [--alpha 0.01] [--bias 0.2] [--min-shift 0.1] [--out outputs/spec_exactness.json]
 
 For each of the known-answer task's first `--prompts` held-out questions (the model's chat template), two
 engines draw `--samples` continuations at temperature 1: one plain, one with `--spec`, each in its own child
 process with the training rollout's compilation settings (opd_patches/eval/vllm_backend.py) and
-disjoint per-request seeds, so that the two sets are independent. At each position of `--positions`, the
-tokens there of the two sets are compared by a chi-square test of homogeneity (`homogeneity`), at level
-`--alpha` over all tests (Bonferroni). Three checks, all needed for exit 0:
+disjoint per-request seeds, so that the two sets are independent. At each position of `--positions` (the
+first token comes from the prompt's pass, never from a draft), the tokens there of the two sets are compared
+by a chi-square test of homogeneity over the most frequent tokens (`homogeneity`), at level `--alpha` over
+all tests (Bonferroni). It compares each position's token distribution, not whole sequences. Three checks,
+all needed for exit 0:
 - exact: no test rejects plain against speculative;
 - power: the same tests reject a planted biased sampler, the speculative samples with each tested token
-  replaced, with probability `--bias`, by the plain samples' most frequent token there (`plant_bias`);
+  replaced, with probability `--bias`, by their own most frequent token there (`plant_bias`), at every test
+  where that moves at least `--min-shift` of the probability (bias x (1 - the top token's share));
 - exercised: the speculative engine's counters show drafted and accepted tokens (vLLM's spec-decode metrics).
 Needs a GPU and vLLM; the statistics run on a CPU too (tests/test_spec_exactness.py).
 """
@@ -30,6 +33,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
 MIN_EXPECTED = 5.0  # the chi-square approximation's usual floor per cell
+MAX_CELLS = 10  # the most frequent tokens and the rest: a shift onto any one of them keeps its weight
 
 
 def chi2_sf(x: float, df: int) -> float:
@@ -42,23 +46,28 @@ def chi2_sf(x: float, df: int) -> float:
                                          torch.tensor(x / 2.0, dtype=torch.float64)))
 
 
-def homogeneity(a: list, b: list) -> dict:
-    """Chi-square test that two independent samples of categories come from one distribution. Categories with
-    fewer than MIN_EXPECTED expected in either sample are pooled into one; {"stat", "df", "p"} (p 1.0 when
-    fewer than two categories remain: nothing to compare)."""
+def homogeneity(a: list, b: list, max_cells: int = MAX_CELLS) -> dict:
+    """Chi-square test that two independent samples of categories come from one distribution, over the
+    `max_cells - 1` categories most frequent in both together (each with MIN_EXPECTED expected in either
+    sample) and one cell for the rest (merged into the smallest kept cell when it expects fewer);
+    {"stat", "df", "p"} (p 1.0 when fewer than two cells remain: nothing to compare)."""
     ca, cb = Counter(a), Counter(b)
     na, nb = len(a), len(b)
     n = na + nb
-    cells, pooled = [], [0, 0]
-    for key in set(ca) | set(cb):
-        total = ca[key] + cb[key]
-        if min(total * na / n, total * nb / n) >= MIN_EXPECTED:
-            cells.append((ca[key], cb[key]))
+    cells, rest = [], [0, 0]
+    for key, total in (ca + cb).most_common():
+        if len(cells) < max_cells - 1 and min(total * na / n, total * nb / n) >= MIN_EXPECTED:
+            cells.append([ca[key], cb[key]])
         else:
-            pooled[0] += ca[key]
-            pooled[1] += cb[key]
-    if sum(pooled):
-        cells.append(tuple(pooled))
+            rest[0] += ca[key]
+            rest[1] += cb[key]
+    if sum(rest):
+        if min(sum(rest) * na / n, sum(rest) * nb / n) >= MIN_EXPECTED or not cells:
+            cells.append(rest)
+        else:
+            smallest = min(cells, key=sum)
+            smallest[0] += rest[0]
+            smallest[1] += rest[1]
     if len(cells) < 2:
         return {"stat": 0.0, "df": 0, "p": 1.0}
     stat = 0.0
@@ -76,12 +85,15 @@ def token_at(samples: list[list[int]], position: int) -> list:
     return [s[position - 1] if len(s) >= position else "end" for s in samples]
 
 
-def plant_bias(samples: list[list[int]], reference: list[list[int]], positions: list[int], bias: float,
-               seed: int = 0) -> list[list]:
-    """`samples` with the token at each of `positions` replaced, with probability `bias`, by the reference's
-    most frequent token there: a sampler whose marginals are off by at most `bias`."""
+def plant_bias(samples: list[list[int]], positions: list[int], bias: float, seed: int = 0) -> tuple[list[list], dict]:
+    """`samples` with the token at each of `positions` replaced, with probability `bias`, by their own most
+    frequent token there: a sampler whose marginal there is off by bias x (1 - that token's share), the shift
+    returned per position."""
     rng = random.Random(seed)
-    top = {k: Counter(token_at(reference, k)).most_common(1)[0][0] for k in positions}
+    top, shift = {}, {}
+    for k in positions:
+        (token, count), = Counter(token_at(samples, k)).most_common(1)
+        top[k], shift[k] = token, bias * (1 - count / len(samples))
     out = []
     for s in samples:
         s = list(s) + ["end"] * max(0, max(positions) - len(s))
@@ -89,22 +101,24 @@ def plant_bias(samples: list[list[int]], reference: list[list[int]], positions: 
             if rng.random() < bias:
                 s[k - 1] = top[k]
         out.append(s)
-    return out
+    return out, shift
 
 
-def compare(plain: dict, spec: dict, positions: list[int], alpha: float, bias: float) -> dict:
+def compare(plain: dict, spec: dict, positions: list[int], alpha: float, bias: float, min_shift: float) -> dict:
     """The exact and power checks over every prompt and position; `plain` and `spec` map a prompt to its samples."""
     tests, planted = [], []
     for prompt in plain:
-        biased = plant_bias(spec[prompt], plain[prompt], positions, bias)
+        biased, shift = plant_bias(spec[prompt], positions, bias)
         for k in positions:
             tests.append({"prompt": prompt, "position": k,
                           **homogeneity(token_at(plain[prompt], k), token_at(spec[prompt], k))})
-            planted.append({"prompt": prompt, "position": k,
+            planted.append({"prompt": prompt, "position": k, "shift": shift[k],
                             **homogeneity(token_at(plain[prompt], k), token_at(biased, k))})
     level = alpha / max(1, len(tests))
-    return {"level_per_test": level, "tests": tests, "planted": planted,
-            "exact": all(t["p"] > level for t in tests), "planted_rejected": any(t["p"] <= level for t in planted)}
+    detectable = [t for t in planted if t["shift"] >= min_shift]
+    return {"level_per_test": level, "tests": tests, "planted": planted, "exact": all(t["p"] > level for t in tests),
+            "planted_tests": len(detectable),
+            "planted_rejected": bool(detectable) and all(t["p"] <= level for t in detectable)}
 
 
 # ---- the GPU part -------------------------------------------------------------------------------------------
@@ -142,19 +156,21 @@ def draw(args) -> dict:
     counters = {}
     for metric in llm.get_metrics():
         if "spec_decode_num_draft_tokens" in metric.name or "spec_decode_num_accepted_tokens" in metric.name:
-            counters[metric.name] = getattr(metric, "value", None)
+            if getattr(metric, "value", None) is not None:  # summed over label sets (engines)
+                counters[metric.name] = counters.get(metric.name, 0) + metric.value
     return {"samples": out, "counters": counters}
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m tools.spec_exactness", description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=str(REPO / ".cache" / "addition" / "student"))
-    ap.add_argument("--samples", type=int, default=2000)
+    ap.add_argument("--samples", type=int, default=4000)
     ap.add_argument("--prompts", type=int, default=4)
-    ap.add_argument("--positions", default="1,2,4,8,16")
+    ap.add_argument("--positions", default="2,3,4,8,16")
     ap.add_argument("--spec", default=json.dumps(NGRAM), help="speculative_config as JSON")
     ap.add_argument("--alpha", type=float, default=0.01)
-    ap.add_argument("--bias", type=float, default=0.1)
+    ap.add_argument("--bias", type=float, default=0.2)
+    ap.add_argument("--min-shift", type=float, default=0.1, help="the planted bias must be rejected where it moves this much")
     ap.add_argument("--out", type=Path, default=REPO / "outputs" / "spec_exactness.json")
     ap.add_argument("--engine", choices=["plain", "spec"], help=argparse.SUPPRESS)  # the child's part
     ap.add_argument("--child-out", type=Path, help=argparse.SUPPRESS)
@@ -175,18 +191,19 @@ def main(argv=None) -> int:
             print(f"[spec-exactness] the {engine} engine failed", file=sys.stderr)
             return 1
         drawn[engine] = json.loads(child_out.read_text())
-    result = compare(drawn["plain"]["samples"], drawn["spec"]["samples"], args.positions, args.alpha, args.bias)
+    result = compare(drawn["plain"]["samples"], drawn["spec"]["samples"], args.positions, args.alpha, args.bias,
+                     args.min_shift)
     counters = drawn["spec"]["counters"]
     drafted = sum(v for k, v in counters.items() if "draft_tokens" in k and v)
     accepted = sum(v for k, v in counters.items() if "accepted_tokens" in k and "per_pos" not in k and v)
     result.update(spec=json.loads(args.spec), samples=args.samples, prompts=args.prompts, positions=args.positions,
-                  alpha=args.alpha, bias=args.bias, counters=counters, drafted=drafted, accepted=accepted,
+                  alpha=args.alpha, bias=args.bias, min_shift=args.min_shift, counters=counters, drafted=drafted, accepted=accepted,
                   exercised=drafted > 0 and accepted > 0)
     args.out.write_text(json.dumps(result, indent=1))
     worst = min(result["tests"], key=lambda t: t["p"])
     print(f"[spec-exactness] exact: {result['exact']} (smallest p {worst['p']:.3g} at position {worst['position']}, "
-          f"level per test {result['level_per_test']:.3g}); planted bias {args.bias} rejected: "
-          f"{result['planted_rejected']}; drafted {drafted}, accepted {accepted}; {args.out}", flush=True)
+          f"level per test {result['level_per_test']:.3g}); planted bias {args.bias} rejected at each of its "
+          f"{result['planted_tests']} tests shifting >= {args.min_shift}: {result['planted_rejected']}; drafted {drafted}, accepted {accepted}; {args.out}", flush=True)
     return 0 if result["exact"] and result["planted_rejected"] and result["exercised"] else 1
 
 

@@ -25,14 +25,6 @@ DRAFT_FREE = ("ngram", "ngram_gpu", "suffix")
 EXAMPLE = "{method: ngram, num_speculative_tokens: 4, prompt_lookup_max: 4, prompt_lookup_min: 2}"
 
 
-def literal_values(kind) -> set[str]:
-    """Every string of a (nested) typing.Literal, as vLLM spells its method type."""
-    values = set()
-    for arg in typing.get_args(kind):
-        values |= literal_values(arg) if typing.get_origin(arg) is typing.Literal else {arg}
-    return values
-
-
 def installed_methods() -> tuple[str, set[str]] | None:
     """(vLLM's version, the methods its SpeculativeConfig accepts), or None without vLLM."""
     if importlib.util.find_spec("vllm") is None:
@@ -40,7 +32,7 @@ def installed_methods() -> tuple[str, set[str]] | None:
     import vllm
     from vllm.config.speculative import SpeculativeMethod
 
-    return vllm.__version__, literal_values(SpeculativeMethod)
+    return vllm.__version__, set(typing.get_args(SpeculativeMethod))  # nested Literals come flattened
 
 
 def check(config: DictConfig) -> dict | None:

@@ -12,8 +12,7 @@ export is built here), the HF export's weights built from those files (`opd.back
 (`opd_patches.ops.validate` in a CPU-only child process, started when the finish starts so that its imports run
 beside the writes and the export's build; the child leaves with os._exit once its answer is written; a tiny
 export in-process, and before a background finish by the trainer itself, so that the finish process imports
-neither torch nor transformers), the
-sha256 of every file (the state's outside the export hashed by a thread beside the export's build and
+neither torch nor transformers), the sha256 of every file (the state's outside the export hashed by a thread beside the export's build and
 validation, once every write has ended; the export's own beside its validation), the receipt written last
 (receipts.py: only now is the state complete), then pruning (checkpoints.py; only here, over
 completed states, one finish at a time). A state file whose write failed leaves the state without a

@@ -15,6 +15,7 @@ step and logs the difference beside `timing_s/gen`:
 
 from __future__ import annotations
 
+import http.client
 import urllib.request
 
 COUNTERS = {"drafts": "vllm:spec_decode_num_drafts", "drafted": "vllm:spec_decode_num_draft_tokens",
@@ -34,16 +35,21 @@ def parse(text: str) -> dict[str, float]:
     return totals
 
 
+# The servers are this cluster's own: a proxy from the environment must not stand in between.
+_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
 def read(addresses: list[str], timeout_s: float = 5.0) -> dict[str, float] | None:
-    """The counters summed over the servers at `addresses` ("host:port"); None when one cannot be read."""
+    """The counters summed over the servers at `addresses` ("host:port"); None when one cannot be read or
+    parsed (the step then logs no speculation figures; training goes on)."""
     totals = dict.fromkeys(COUNTERS, 0.0)
     for address in addresses:
         try:
-            with urllib.request.urlopen(f"http://{address}/metrics", timeout=timeout_s) as response:
-                text = response.read().decode()
-        except OSError:
+            with _OPENER.open(f"http://{address}/metrics", timeout=timeout_s) as response:
+                counts = parse(response.read().decode())
+        except (OSError, http.client.HTTPException, ValueError):
             return None
-        for key, value in parse(text).items():
+        for key, value in counts.items():
             totals[key] += value
     return totals
 

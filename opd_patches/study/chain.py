@@ -43,9 +43,8 @@ from pathlib import Path
 
 from opd_patches.ops import checkpoints, receipts
 from opd_patches.study import deadline as dl
-from opd_patches.study import chain_record as record
 from opd_patches.study import runner, select
-from opd_patches.study.chain_record import ChainError, check_recorded, decide, files_fingerprint
+from opd_patches.study.chain_record import ChainError, check_recorded, decide, files_fingerprint, load, save, stage_done
 from opd_patches.study.cli import STOP_SIGNALS, _interrupt
 from opd_patches.study.progress import RunProgress, human
 from opd_patches.study.spec import REPO
@@ -360,7 +359,7 @@ class Chain:
     def prepare(self) -> None:
         """Inputs checked against the record, the deadline fixed and the estimate printed, before any stage runs."""
         self.out.mkdir(parents=True, exist_ok=True)
-        self.state = record.load(self.out)
+        self.state = load(self.out)
         if self.task:  # the task's models and data, built once (cached in .cache/<task>) as run.sh would
             self.child("task", [sys.executable, "-m", "opd_patches.embedded", "--task", self.task,
                                 "--out", str(REPO / ".cache" / self.task)])
@@ -370,7 +369,7 @@ class Chain:
         self.state["deadline"] = dl.fix_deadline(stored, self.args.deadline, self.args.wall_clock, time.time())
         self.config = compose(self.args.recipe, self.train_overrides(), self.device)
         self.state.setdefault("launches", []).append(time.time())
-        record.save(self.out, self.state)
+        save(self.out, self.state)
         log(f"{self.out}: stages {', '.join(self.stages)}" + (f" (only {self.args.stage})" if self.args.stage else "")
             + f"; recipe {self.args.recipe}; device {self.device}")
         self.estimate = self.make_estimate()
@@ -394,11 +393,11 @@ class Chain:
             try:
                 note = getattr(self, "stage_" + stage.replace("-", "_"))() or ""
             except BaseException:
-                record.stage_done(self.state, stage, inputs, started, finished=False)
-                record.save(self.out, self.state)
+                stage_done(self.state, stage, inputs, started, finished=False)
+                save(self.out, self.state)
                 raise
-            record.stage_done(self.state, stage, inputs, started, finished=stage != "report", note=note)
-            record.save(self.out, self.state)
+            stage_done(self.state, stage, inputs, started, finished=stage != "report", note=note)
+            save(self.out, self.state)
             log(f"{stage}: done ({human(time.time() - started)})")
         return 0
 

@@ -90,6 +90,7 @@ class OpsTrainerMixin:
         )
         # vLLM's draft counters are read around each step when the rollout speculates (rollout/spec_metrics.py)
         self.ops_speculates = OmegaConf.select(config, SPEC_KEY, default=None) is not None
+        self._ops_spec_warned = False
         self.ops_validate = opd.validate_after_save
         self.ops_validate_timeout = opd.validate_timeout_s
         self.ops_background = opd.background_save
@@ -249,7 +250,12 @@ class OpsTrainerMixin:
         before = spec_metrics.read(servers) if servers else None
         batch = super().step(metrics, timing_raw)
         if servers:
-            metrics.update(spec_metrics.step_metrics(before, spec_metrics.read(servers)))
+            figures = spec_metrics.step_metrics(before, spec_metrics.read(servers))
+            metrics.update(figures)
+            if not figures and not self._ops_spec_warned:
+                self._ops_spec_warned = True
+                print(f"[opd] WARNING: vLLM's speculation counters could not be read from {servers} (/metrics); "
+                      "steps go on without rollout/spec_* figures", flush=True)
         guard.check_metrics(metrics, self.global_steps)  # before any save of this step
         self._ops_last_done = self.global_steps
         self._ops_steps_this_process += 1
@@ -268,8 +274,12 @@ class OpsTrainerMixin:
         """The rollout servers' addresses when the rollout speculates (their counters: rollout/spec_metrics.py)."""
         if not self.ops_speculates:
             return []
-        manager = getattr(self, "llm_server_manager", None)
-        return list(getattr(manager, "server_addresses", None) or [])
+        servers = list(getattr(getattr(self, "llm_server_manager", None), "server_addresses", None) or [])
+        if not servers and not self._ops_spec_warned:
+            self._ops_spec_warned = True
+            print("[opd] WARNING: the rollout speculates but its servers' addresses are unknown: no rollout/spec_* "
+                  "figures", flush=True)
+        return servers
 
     def on_step_end(self):
         if self._ops_stop_reason is None:

@@ -3,7 +3,6 @@
     python -m tools.bench.spec_decode [--batches 32 8 1] [--tokens 1024] [--temperatures 1 0.25 0.1 0.05]
         [--spec '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}']
         [--compile rollout|default|full|piecewise] [--workdir .cache/bench] [--out bench.json]
-    (make bench PHASE=specdecode BENCH_ARGS="...")
 
 One engine per child process, plain then speculative, on the random R1-Distill-1.5B-architecture model
 (opd_patches/embedded/r1_arch.py) with the rollout's memory share (0.5) and, with `--compile rollout`, its
@@ -97,11 +96,12 @@ def pair_rows(rows: list[dict], compile_name: str) -> list[dict]:
     return out
 
 
-def run_phase(size, args) -> dict:
-    from opd_patches.embedded import r1_arch
-
+def run_phase(args) -> dict:
     workdir = Path(getattr(args, "workdir", None) or REPO / ".cache" / "bench")
-    model = r1_arch.build(workdir / "r1_arch", seeds=(0,), device="cuda")[0]
+    # drawn in a child: a CUDA draw here would hold its context and cached memory beside both engines
+    subprocess.run([sys.executable, "-m", "opd_patches.embedded.r1_arch", "--out", str(workdir / "r1_arch"),
+                    "--seeds", "0", "--device", "cuda"], check=True, cwd=REPO)
+    model = workdir / "r1_arch" / "seed0"
     spec = getattr(args, "spec", None) or json.dumps(NGRAM)
     compile_name = getattr(args, "compile", None) or "rollout"
     batches = getattr(args, "batches", None) or [32, 8, 1]
@@ -140,7 +140,7 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     from tools.bench import results
 
-    entry = run_phase(None, a)
+    entry = run_phase(a)
     results.merge(a.out, "specdecode", entry)
     print(results.table("specdecode", entry))
     print(f"[bench] wrote phase specdecode to {a.out}", flush=True)
