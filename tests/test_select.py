@@ -161,7 +161,7 @@ def test_select_picks_the_teacher_scores_it_and_a_rerun_evaluates_only_what_is_n
     run, cache = tmp_path / "run", tmp_path / "cache"
     plant(run, 1, task["student"])
     plant(run, 2, task["teacher"])
-    cheap = ["--samples", "2", "--limit", "50", "--backend", "hf", "--cache", str(cache)]
+    cheap = ["--samples", "2", "--limit", "30", "--backend", "hf", "--cache", str(cache)]
 
     def select_(*extra, student=task["student"]):
         done = subprocess.run([sys.executable, "-m", "opd_patches.study.select", str(run), *SPLIT, *cheap,
@@ -176,7 +176,7 @@ def test_select_picks_the_teacher_scores_it_and_a_rerun_evaluates_only_what_is_n
     step1, step2 = sel["ranking"]
     assert step2["pass_at_1"] >= 0.7 and step1["pass_at_1"] <= 0.4 and not step1["within_one_se"]
     assert step1["diff_vs_best"] < -3 * step1["se_diff"]
-    assert sel["final"]["chosen"]["step"] == 2 and sel["final"]["chosen"]["n_questions"] == 50
+    assert sel["final"]["chosen"]["step"] == 2 and sel["final"]["chosen"]["n_questions"] == 30
     assert sel["final"]["chosen_vs_student"]["diff"] > 3 * sel["final"]["chosen_vs_student"]["se"] > 0
     assert sel["final"]["student"]["pass_at_1"] <= 0.4 and sel["student"]["proxy"]["pass_at_1"] <= 0.4
     for suite in ("addition_proxy", "addition_final"):
