@@ -90,3 +90,12 @@ def test_a_speculative_config_makes_the_engine_log_its_statistics():
     spec = composed.compose_recipe("topk", *base, f"+{speculation.KEY}={{method: ngram, num_speculative_tokens: 4}}")
     main.apply_speculation(spec)
     assert spec.actor_rollout_ref.rollout.disable_log_stats is False
+
+
+def test_an_offline_engines_metrics_give_the_same_totals():
+    """vLLM's LLM.get_metrics() names counters without `_total`, one entry per engine; its per-position
+    acceptance is a vector without a single value (tools/spec_exactness.py, tools/bench/spec_decode.py)."""
+    pairs = [("vllm:spec_decode_num_drafts", 4), ("vllm:spec_decode_num_drafts", 6),
+             ("vllm:spec_decode_num_draft_tokens", 40), ("vllm:spec_decode_num_accepted_tokens", 15),
+             ("vllm:spec_decode_num_accepted_tokens_per_pos", None), ("vllm:num_requests_running", 3)]
+    assert spec_metrics.totals(pairs) == {"drafts": 10.0, "drafted": 40.0, "accepted": 15.0}

@@ -153,12 +153,9 @@ def draw(args) -> dict:
                   for i in range(args.samples)]
         results = llm.generate([text] * args.samples, params, use_tqdm=False)
         out[text] = [list(r.outputs[0].token_ids) for r in results]
-    counters = {}
-    for metric in llm.get_metrics():
-        if "spec_decode_num_draft_tokens" in metric.name or "spec_decode_num_accepted_tokens" in metric.name:
-            if getattr(metric, "value", None) is not None:  # summed over label sets (engines)
-                counters[metric.name] = counters.get(metric.name, 0) + metric.value
-    return {"samples": out, "counters": counters}
+    from tools.bench.spec_decode import counters
+
+    return {"samples": out, "counters": counters(llm)}
 
 
 def main(argv=None) -> int:
@@ -194,8 +191,7 @@ def main(argv=None) -> int:
     result = compare(drawn["plain"]["samples"], drawn["spec"]["samples"], args.positions, args.alpha, args.bias,
                      args.min_shift)
     counters = drawn["spec"]["counters"]
-    drafted = sum(v for k, v in counters.items() if "draft_tokens" in k and v)
-    accepted = sum(v for k, v in counters.items() if "accepted_tokens" in k and "per_pos" not in k and v)
+    drafted, accepted = counters["drafted"], counters["accepted"]
     result.update(spec=json.loads(args.spec), samples=args.samples, prompts=args.prompts, positions=args.positions,
                   alpha=args.alpha, bias=args.bias, min_shift=args.min_shift, counters=counters, drafted=drafted, accepted=accepted,
                   exercised=drafted > 0 and accepted > 0)

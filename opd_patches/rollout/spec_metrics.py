@@ -22,17 +22,24 @@ COUNTERS = {"drafts": "vllm:spec_decode_num_drafts", "drafted": "vllm:spec_decod
             "accepted": "vllm:spec_decode_num_accepted_tokens"}
 
 
+_KEYS = {name + suffix: key for key, name in COUNTERS.items() for suffix in ("", "_total")}
+
+
+def totals(samples) -> dict[str, float]:
+    """The counters' totals, summed over label sets (engines, models), from (name, value) pairs: a Prometheus
+    page's samples, or the metrics of vLLM's offline `LLM.get_metrics()` (the tools' engines)."""
+    out = dict.fromkeys(COUNTERS, 0.0)
+    for name, value in samples:
+        if name in _KEYS and value is not None:
+            out[_KEYS[name]] += value
+    return out
+
+
 def parse(text: str) -> dict[str, float]:
-    """The counters' totals (summed over label sets: engines, models) from a Prometheus text exposition."""
+    """The counters' totals from a Prometheus text exposition (a server's /metrics)."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    totals = dict.fromkeys(COUNTERS, 0.0)
-    names = {name + suffix: key for key, name in COUNTERS.items() for suffix in ("", "_total")}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name in names:
-                totals[names[sample.name]] += sample.value
-    return totals
+    return totals((s.name, s.value) for family in text_string_to_metric_families(text) for s in family.samples)
 
 
 # The servers are this cluster's own: a proxy from the environment must not stand in between.

@@ -198,9 +198,7 @@ def main(argv=None) -> int:
     from tools.bench import results
 
     entry = run_phase(None, a)
-    results.merge(a.out, "decode", entry)
-    print(results.table("decode", entry))
-    print(f"[bench] wrote phase decode to {a.out}", flush=True)
+    results.report(a.out, "decode", entry)
     return 0
 
 

@@ -35,6 +35,13 @@ def merge(path: Path, phase: str, entry: dict) -> dict:
     return doc
 
 
+def report(path: Path, phase: str, entry: dict) -> None:
+    """`merge` the phase into the JSON at `path`, then print its table and where it went."""
+    merge(path, phase, entry)
+    print(table(phase, entry))
+    print(f"[bench] wrote phase {phase} to {path}", flush=True)
+
+
 def _fmt(x, spec):
     return "n/a" if x is None else format(x, spec)
 

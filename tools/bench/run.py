@@ -83,9 +83,7 @@ def main(argv=None) -> int:
     opd_patches.register()  # the registered losses and the wrappers the real paths go through
 
     entry = fn(size, args)
-    results.merge(args.out, args.phase, entry)
-    print(results.table(args.phase, entry))
-    print(f"[bench] wrote phase {args.phase} to {args.out}", flush=True)
+    results.report(args.out, args.phase, entry)
     return 0
 
 

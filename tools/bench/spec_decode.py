@@ -29,21 +29,17 @@ import sys
 import time
 from pathlib import Path
 
+from opd_patches.rollout import spec_metrics
+
 REPO = Path(__file__).resolve().parents[2]
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
 COMPILE = {"rollout": {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}, "default": None,
            "full": {"mode": 3, "cudagraph_mode": "FULL"}, "piecewise": {"mode": 3, "cudagraph_mode": "PIECEWISE"}}
-COUNTERS = ("spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens")
 
 
 def counters(llm) -> dict[str, float]:
-    """vLLM's spec-decode counters (0 without speculation), keyed by their names without the `vllm:` prefix."""
-    out = dict.fromkeys(COUNTERS, 0.0)
-    for metric in llm.get_metrics():
-        name = metric.name.removeprefix("vllm:").removesuffix("_total")
-        if name in out and getattr(metric, "value", None) is not None:
-            out[name] += metric.value
-    return out
+    """vLLM's spec-decode counters of an offline engine: drafts, drafted and accepted tokens (0 without speculation)."""
+    return spec_metrics.totals((m.name, getattr(m, "value", None)) for m in llm.get_metrics())
 
 
 def child(args) -> list[dict]:
@@ -72,8 +68,7 @@ def child(args) -> list[dict]:
             seconds = time.monotonic() - t0
             after = counters(llm)
             made = min(len(o.outputs[0].token_ids) for o in outs)
-            d = {k: after[k] - before[k] for k in COUNTERS}
-            drafts, drafted, accepted = (d[k] for k in COUNTERS)
+            drafts, drafted, accepted = (after[k] - before[k] for k in ("drafts", "drafted", "accepted"))
             rows.append({"engine": args.engine, "batch": batch, "temperature": temperature, "tokens": made,
                          "seconds": round(seconds, 3), "ms_per_token": round(1e3 * seconds / args.tokens, 3),
                          "startup_s": round(startup, 1), "drafts": drafts, "drafted": drafted, "accepted": accepted,
@@ -141,9 +136,7 @@ def main(argv=None) -> int:
     from tools.bench import results
 
     entry = run_phase(a)
-    results.merge(a.out, "specdecode", entry)
-    print(results.table("specdecode", entry))
-    print(f"[bench] wrote phase specdecode to {a.out}", flush=True)
+    results.report(a.out, "specdecode", entry)
     return 0
 
 
