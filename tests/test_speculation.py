@@ -67,6 +67,22 @@ def test_suffix_without_arctic_inference_is_refused(monkeypatch):
         speculation.check(compose(f"+{speculation.KEY}={{method: suffix}}", "actor_rollout_ref.rollout.name=vllm"))
 
 
+def test_a_batch_size_schedule_under_the_rollouts_mode_0_is_refused_and_allowed_under_mode_3(monkeypatch):
+    """vLLM 0.24 turns full CUDA graphs into piecewise ones for a schedule, and piecewise graphs need its
+    compilation mode 3: under the GPU profile's mode 0 no step would run under a CUDA graph."""
+    monkeypatch.setattr(speculation, "installed_methods", lambda: ("0.24.0", {"ngram"}))
+    tail = (f"+{speculation.KEY}={{method: ngram, num_speculative_tokens: 4, prompt_lookup_max: 4, prompt_lookup_min: 2, "
+            "num_speculative_tokens_per_batch_size: [[1, 8, 4], [9, 1024, 0]]}")
+    with pytest.raises(InputError, match=r"num_speculative_tokens_per_batch_size makes vLLM use piecewise CUDA graphs.*"
+                                         r"has mode 0, so no step would run under a CUDA graph: add "
+                                         r"actor_rollout_ref.rollout.engine_kwargs.vllm.compilation_config.mode=3"):
+        speculation.check(compose(tail, device="gpu"))
+    compiled = [f"{speculation.COMPILATION}.mode=3", f"{speculation.COMPILATION}.cudagraph_mode=PIECEWISE"]
+    spec = speculation.check(compose(tail, *compiled, device="gpu"))
+    assert spec["num_speculative_tokens_per_batch_size"] == [[1, 8, 4], [9, 1024, 0]]
+    assert speculation.check(compose(NGRAM, device="gpu"))["method"] == "ngram"  # no schedule: mode 0 is fine
+
+
 def test_run_sh_refuses_the_override_on_a_cpu_in_one_line_before_ray(tmp_path, embedded):
     """The README's override on a CPU run: exit 2, one line naming the key, Ray never started."""
     ray_tmp = tmp_path / "ray"

@@ -7,8 +7,11 @@ distribution (a drafted token is kept with the student's probability of it; on a
 from the student's distribution without it), so the samples keep that distribution whatever the drafts.
 The draft-free methods (`DRAFT_FREE`) need no second model. Refused here, each in one line: a rollout
 other than vLLM (the `hf` rollout of `+device=cpu` and `+device=gpu-hf`), a value that is not a mapping
-with a method, a method the installed vLLM does not know, and `suffix` without arctic-inference (the
-package vLLM's suffix proposer imports).
+with a method, a method the installed vLLM does not know, `suffix` without arctic-inference (the
+package vLLM's suffix proposer imports), and vLLM's batch-size schedule (`num_speculative_tokens_per_batch_size`,
+speculation only while few sequences remain) without torch.compile: vLLM turns full CUDA graphs into
+piecewise ones for a schedule, and piecewise graphs exist only under its compilation mode 3, so under the
+rollout's mode 0 every step, speculative or not, would run without CUDA graphs.
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ from omegaconf import DictConfig, OmegaConf
 from opd_patches.checks import InputError
 
 KEY = "actor_rollout_ref.rollout.engine_kwargs.vllm.speculative_config"
+COMPILATION = "actor_rollout_ref.rollout.engine_kwargs.vllm.compilation_config"
+VLLM_COMPILE = 3  # vLLM's CompilationMode.VLLM_COMPILE
 DRAFT_FREE = ("ngram", "ngram_gpu", "suffix")
 EXAMPLE = "{method: ngram, num_speculative_tokens: 4, prompt_lookup_max: 4, prompt_lookup_min: 2}"
 
@@ -58,4 +63,14 @@ def check(config: DictConfig) -> dict | None:
         raise InputError(f"{KEY}: method 'suffix' needs arctic-inference, which vLLM's suffix proposer imports "
                          "(pip install arctic-inference==0.1.1, the version vLLM 0.24 names; installed, it also "
                          "patches vLLM through its plugin in every run)")
+    if spec.get("num_speculative_tokens_per_batch_size") is not None:
+        compilation = OmegaConf.select(config, COMPILATION, default=None) or {}
+        if not OmegaConf.is_config(compilation) and not isinstance(compilation, dict):
+            compilation = {}
+        if compilation.get("mode") != VLLM_COMPILE:
+            raise InputError(f"{KEY}: num_speculative_tokens_per_batch_size makes vLLM use piecewise CUDA graphs, "
+                             f"which need its compilation mode {VLLM_COMPILE} (torch.compile); this run's "
+                             f"{COMPILATION} has mode {compilation.get('mode')!r}, so no step would run under a CUDA "
+                             f"graph: add {COMPILATION}.mode={VLLM_COMPILE} "
+                             f"{COMPILATION}.cudagraph_mode=PIECEWISE, or drop the schedule")
     return spec
