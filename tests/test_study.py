@@ -52,6 +52,8 @@ def test_spec_loads_and_plans_runs(tmp_path):
     assert cmd[-len(SEED_KEYS):] == [f"{k}=2" for k in SEED_KEYS]
     assert cmd.index("data.seed=7") < cmd.index("data.seed=2")
     assert "trainer.total_training_steps=2" not in p.identity()["overrides"]  # a longer budget resumes
+    other = runner.plan_runs(load(write_spec(tmp_path, GOOD, name="other.yaml")), tmp_path / "out")
+    assert other[3].command() != p.command() and other[3].identity() == p.identity()  # the same run, another study
 
 
 def test_shipped_smoke_spec_plans_two_arms_by_two_seeds(tmp_path, capsys):
@@ -192,16 +194,19 @@ TREAT = {1: {"q1": [1, 1], "q2": [1, 0], "q3": [1, 1], "q4": [0, 0]},
          2: {"q1": [1, 1], "q2": [1, 1], "q3": [1, 0], "q4": [1, 0]}}
 
 
-def _write_eval(folder: Path, results: dict):
+def _write_eval(folder: Path, results: dict, kl: dict | None = None):
     folder.mkdir(parents=True)
     with open(folder / "generations.jsonl", "w") as fh:
         for q, outs in results.items():
             for k, o in enumerate(outs):
                 fh.write(json.dumps({"id": q, "sample": k, "correct": bool(o), "truncated": False}) + "\n")
-    (folder / "summary.json").write_text(json.dumps({"complete": True, "protocol": {"samples": 2}}))
+    summary = {"complete": True, "protocol": {"samples": 2}}
+    if kl:  # as eval/teacher_kl.py writes it (the overall figure here: the mean of the questions')
+        summary["teacher_kl"] = {"teacher_kl": sum(kl.values()) / len(kl), "per_question": kl}
+    (folder / "summary.json").write_text(json.dumps(summary))
 
 
-def _study(tmp_path, arms_results: dict):
+def _study(tmp_path, arms_results: dict, arms_kl: dict | None = None):
     spec = Spec(path=tmp_path / "s.yaml", name="hand", recipe="k1", env={}, overrides=[],
                 arms=[Arm(a, a, []) for a in arms_results], control="k1", seeds=[1, 2], budget={"steps": 2},
                 eval={"suites": ["math500"], "checkpoints": "last"})
@@ -209,7 +214,7 @@ def _study(tmp_path, arms_results: dict):
     jobs = []
     for p in plans:
         job = evaluate.EvalJob(p, "last", 2, "math500", tmp_path / "evals" / p.arm / f"seed{p.seed}", None)
-        _write_eval(job.out, arms_results[p.arm][p.seed])
+        _write_eval(job.out, arms_results[p.arm][p.seed], (arms_kl or {}).get(p.arm, {}).get(p.seed))
         p.result = {"state": "complete", "detail": "hand-made"}
         jobs.append(job)
     return spec, plans, jobs
@@ -251,6 +256,23 @@ def test_report_names_a_clear_difference(tmp_path):
     d = report.build(spec, plans, jobs, {})["groups"][0]["diffs"]["topk"]
     assert d["diff"] == pytest.approx(10 / 12) and d["p_value"] < 1e-4
     assert d["verdict"].startswith("topk is better than k1")
+
+
+def test_report_pairs_the_teacher_kl_by_question_against_the_control(tmp_path):
+    """Per question the seeds' means are averaged, then differenced against the control's (lower is closer)."""
+    kl = {"k1": {1: {"q1": 0.4, "q2": 0.2, "q3": 0.3, "q4": 0.1}, 2: {"q1": 0.2, "q2": 0.2, "q3": 0.5, "q4": 0.1}},
+          "topk": {1: {"q1": 0.1, "q2": 0.2, "q3": 0.2, "q4": 0.1}, 2: {"q1": 0.1, "q2": 0.0, "q3": 0.2, "q4": 0.1}}}
+    spec, plans, jobs = _study(tmp_path, {"k1": CONTROL, "topk": TREAT}, kl)
+    data = report.build(spec, plans, jobs, {})
+    d = data["groups"][0]["diffs"]["topk"]["teacher_kl"]
+    diffs = [0.1 - 0.3, 0.1 - 0.2, 0.2 - 0.4, 0.1 - 0.1]  # per question: treatment mean - control mean
+    mean = sum(diffs) / 4
+    sd = math.sqrt(sum((x - mean) ** 2 for x in diffs) / 3)
+    assert d["diff"] == pytest.approx(mean) and d["se"] == pytest.approx(sd / 2) and d["n_common"] == 4
+    md = report.write(tmp_path, data)["md"].read_text()
+    assert f"topk vs k1, teacher-KL (lower is closer to the teacher): {mean:+.4f}, SE {sd / 2:.4f}" in md, md
+    plain = report.build(*_study(tmp_path / "plain", {"k1": CONTROL, "topk": TREAT}), {})
+    assert "teacher_kl" not in plain["groups"][0]["diffs"]["topk"]  # no KL measured: no KL difference
 
 
 def test_cli_dry_run_and_spec_error(tmp_path, capsys):

@@ -1,6 +1,9 @@
 """The teacher-KL estimator (opd_patches/eval/teacher_kl.py) against references computed here: each row
 alone, unpadded, with a plain full-vocabulary KL; zero for a model against itself; the positions it scores."""
 
+import math
+
+import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
@@ -54,3 +57,7 @@ def test_zero_against_itself_and_counts_each_response_token(embedded, tmp_path):
     other = teacher_kl.measure(embedded["student"], embedded["teacher"], qs, samples=2, max_new_tokens=8)
     assert other["n_tokens"] == same["n_tokens"]  # the same fresh samples: the student's, same seeds
     assert other["teacher_kl"] > 0 and other["se_clustered"] > 0
+    means = list(other["per_question"].values())  # each question's mean: their spread is the clustered SE
+    assert sorted(other["per_question"]) == sorted(q["id"] for q in qs) and min(means) >= 0
+    mu = sum(means) / len(means)
+    assert other["se_clustered"] == pytest.approx(math.sqrt(sum((m - mu) ** 2 for m in means) / 5 / 6))

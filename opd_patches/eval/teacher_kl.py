@@ -38,7 +38,8 @@ def _load(path: str, device, torch):
 
 def measure(student: str, teacher: str, questions: list[dict], samples: int = 1, max_new_tokens: int = 48,
             seed: int = 0) -> dict:
-    """{"teacher_kl", "se_clustered", "n_questions", "n_samples", "n_tokens", "definition"} (see module doc)."""
+    """{"teacher_kl", "se_clustered", "n_questions", "per_question" (each question's mean), "n_samples", "n_tokens",
+    "definition"} (see module doc)."""
     import torch
     from transformers import AutoTokenizer
 
@@ -78,6 +79,7 @@ def measure(student: str, teacher: str, questions: list[dict], samples: int = 1,
         mu = sum(means) / len(means)
         se = math.sqrt(sum((m - mu) ** 2 for m in means) / (len(means) - 1) / len(means))
     return {"teacher_kl": total / max(tokens, 1.0), "se_clustered": se, "n_questions": len(per_question),
+            "per_question": {q: v[0] / v[1] for q, v in per_question.items() if v[1]},
             "n_samples": len(jobs), "n_tokens": int(tokens), "samples": samples, "max_new_tokens": max_new_tokens,
             "seed": seed, "teacher": str(teacher),
             "definition": "KL(student || teacher) per response token on the student's own samples (T=1), full vocabulary"}

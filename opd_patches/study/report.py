@@ -5,7 +5,8 @@ For each (suite, checkpoint label) and each arm, from the evaluations' generatio
   question-clustered SE, the per-seed pass@1 and the seed-to-seed spread (std, ddof=1);
 - against the control arm, paired by question (`stats.paired_difference` on the pooled results):
   difference, its clustered SE, the two-sided p-value (paired t) and the verdict in words ("within
-  noise" when |diff| < 2 SE or p >= 0.05).
+  noise" when |diff| < 2 SE or p >= 0.05); where both arms measured the teacher-KL, its difference paired by
+  question the same way (`teacher_kl`: diff, SE, p; seeds averaged per question).
 Seeds of one arm are pooled on the questions all of them cover (a seed with fewer is reported).
 The chart has one panel per (suite, label): bars = pooled pass@1 +/- 2 clustered SE, dots = seeds.
 
@@ -88,17 +89,22 @@ def build(spec, plans, jobs: list, job_results: dict) -> dict:
                 "n_questions": p["n_questions"], "teacher_kl": _kl(job.out), "results": res}
             continue
         g = groups.setdefault((job.suite, job.label), {})
-        g.setdefault(job.plan.arm, {})[job.plan.seed] = (res, job.step, _kl(job.out))
+        g.setdefault(job.plan.arm, {})[job.plan.seed] = (res, job.step, _kl(job.out), _kl(job.out, "per_question"))
     out_groups = []
     arm_order = [a.name for a in spec.arms]
     for (suite, label), by_arm in groups.items():
         arms = {}
         for arm in arm_order:
             if arm in by_arm:
-                block = arm_block({s: r for s, (r, _, _) in by_arm[arm].items()})
-                block["steps"] = {str(s): st for s, (_, st, _) in by_arm[arm].items()}
-                kls = [k for (_, _, k) in by_arm[arm].values() if k is not None]
+                block = arm_block({s: r for s, (r, _, _, _) in by_arm[arm].items()})
+                block["steps"] = {str(s): st for s, (_, st, _, _) in by_arm[arm].items()}
+                kls = [k for (_, _, k, _) in by_arm[arm].values() if k is not None]
                 block["teacher_kl"] = sum(kls) / len(kls) if kls else None
+                per_q = {}  # {question: [each seed's mean]}: pooled like pass@1's samples
+                for (_, _, _, seed_kl) in by_arm[arm].values():
+                    for q, v in (seed_kl or {}).items():
+                        per_q.setdefault(q, []).append(v)
+                block["teacher_kl_per_question"] = per_q or None
                 arms[arm] = block
         diffs = {}
         if spec.control in arms:
@@ -108,6 +114,10 @@ def build(spec, plans, jobs: list, job_results: dict) -> dict:
                     continue
                 d = stats.paired_difference(block["pooled_results"], ctrl, arm, spec.control)
                 diffs[arm] = json_block(d, ("diff", "se", "t", "p_value", "verdict", "n_common", "p_method"))
+                ctrl_kl = arms[spec.control]["teacher_kl_per_question"]
+                if block["teacher_kl_per_question"] and ctrl_kl:  # lower is better: no verdict in words
+                    d = stats.paired_difference(block["teacher_kl_per_question"], ctrl_kl, arm, spec.control)
+                    diffs[arm]["teacher_kl"] = json_block(d, ("diff", "se", "t", "p_value", "n_common"))
         out_groups.append({"suite": suite, "checkpoint": label, "arms": arms, "diffs": diffs,
                            "missing_arms": [a for a in arm_order if a not in arms]})
     runs = [{"arm": p.arm, "seed": p.seed, "recipe": p.recipe, "run_dir": str(p.run_dir), **p.result} for p in plans]
@@ -122,10 +132,11 @@ def build(spec, plans, jobs: list, job_results: dict) -> dict:
     }
 
 
-def _kl(folder: Path):
-    """The evaluation's teacher-KL (nats per response token), if it measured one."""
+def _kl(folder: Path, key: str = "teacher_kl"):
+    """The evaluation's teacher-KL (nats per response token; `key="per_question"`: {question: its mean}), if it
+    measured one."""
     try:
-        return (json.loads((Path(folder) / "summary.json").read_text()).get("teacher_kl") or {}).get("teacher_kl")
+        return (json.loads((Path(folder) / "summary.json").read_text()).get("teacher_kl") or {}).get(key)
     except (OSError, ValueError):
         return None
 
@@ -270,6 +281,9 @@ def markdown(data: dict, chart: str | None) -> str:
         if g["diffs"]:
             lines += ["", "In words:"]
             lines += [f"- {arm} vs {data['control']}: {d['verdict']}" for arm, d in g["diffs"].items()]
+            lines += [f"- {arm} vs {data['control']}, teacher-KL (lower is closer to the teacher): "
+                      f"{_f(d['teacher_kl']['diff'], '+.4f')}, SE {_f(d['teacher_kl']['se'], '.4f')}, p {_f(d['teacher_kl']['p_value'], '.3g')}"
+                      for arm, d in g["diffs"].items() if d.get("teacher_kl")]
     if not data["groups"]:
         lines += ["", "No complete evaluation yet."]
     failed = [e for e in data["evaluations"] if e.get("state") in ("failed", "missing")]

@@ -60,8 +60,10 @@ class RunPlan:
         return f"{self.arm} seed {self.seed}"
 
     def identity(self) -> dict:
-        """What makes two launches the same run (the budget may grow: a longer budget resumes the run)."""
-        budget = ("trainer.total_training_steps=", "opd.wall_clock_s=", "opd.reserve_s=")
+        """What makes two launches the same run (the budget may grow: a longer budget resumes the run; the
+        experiment name, the study's name in loggers, changes no training: another study's run of the same arm
+        copied into --out is reused)."""
+        budget = ("trainer.total_training_steps=", "opd.wall_clock_s=", "opd.reserve_s=", "trainer.experiment_name=")
         return {"arm": self.arm, "seed": self.seed, "recipe": self.recipe, "env": self.env,
                 "overrides": [o for o in self.overrides if not o.startswith(budget)]}
 
