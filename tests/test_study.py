@@ -124,6 +124,9 @@ def test_run_status_from_summary_and_receipts(tmp_path):
     # identity: the same settings pass, other settings for the same folder are refused
     runner.check_identity(plan)
     runner.check_identity(plan)
+    written = json.loads((plan.run_dir / runner.IDENTITY).read_text())  # as written before the name left it
+    (plan.run_dir / runner.IDENTITY).write_text(json.dumps({**written, "overrides": plan.overrides}))
+    runner.check_identity(plan)
     plan.overrides.append("actor_rollout_ref.actor.optim.lr=1")
     with pytest.raises(runner.StudyError, match="other settings"):
         runner.check_identity(plan)

@@ -115,7 +115,8 @@ def build(spec, plans, jobs: list, job_results: dict) -> dict:
                 d = stats.paired_difference(block["pooled_results"], ctrl, arm, spec.control)
                 diffs[arm] = json_block(d, ("diff", "se", "t", "p_value", "verdict", "n_common", "p_method"))
                 ctrl_kl = arms[spec.control]["teacher_kl_per_question"]
-                if block["teacher_kl_per_question"] and ctrl_kl:  # lower is better: no verdict in words
+                if block["teacher_kl_per_question"] and ctrl_kl and set(block["teacher_kl_per_question"]) & set(ctrl_kl):
+                    # lower is better: no verdict in words
                     d = stats.paired_difference(block["teacher_kl_per_question"], ctrl_kl, arm, spec.control)
                     diffs[arm]["teacher_kl"] = json_block(d, ("diff", "se", "t", "p_value", "n_common"))
         out_groups.append({"suite": suite, "checkpoint": label, "arms": arms, "diffs": diffs,

@@ -63,9 +63,8 @@ class RunPlan:
         """What makes two launches the same run (the budget may grow: a longer budget resumes the run; the
         experiment name, the study's name in loggers, changes no training: another study's run of the same arm
         copied into --out is reused)."""
-        budget = ("trainer.total_training_steps=", "opd.wall_clock_s=", "opd.reserve_s=", "trainer.experiment_name=")
-        return {"arm": self.arm, "seed": self.seed, "recipe": self.recipe, "env": self.env,
-                "overrides": [o for o in self.overrides if not o.startswith(budget)]}
+        return comparable({"arm": self.arm, "seed": self.seed, "recipe": self.recipe, "env": self.env,
+                            "overrides": self.overrides})
 
     def command(self) -> list[str]:
         return [str(REPO / "run.sh"), f"recipe={self.recipe}", *self.overrides]
@@ -104,12 +103,23 @@ def status(plan: RunPlan, budget: dict) -> dict:
     return {**base, "state": "partial", "detail": f"status {st}: {summ.get('reason')}"}
 
 
+NOT_IDENTITY = ("trainer.total_training_steps=", "opd.wall_clock_s=", "opd.reserve_s=", "trainer.experiment_name=")
+
+
+def comparable(identity):
+    """An identity without the overrides that do not make another run (NOT_IDENTITY): also applied to the
+    study_run.json a folder holds, which kept the experiment name when it was written before that rule."""
+    if not isinstance(identity, dict) or not isinstance(identity.get("overrides"), list):
+        return identity
+    return {**identity, "overrides": [o for o in identity["overrides"] if not str(o).startswith(NOT_IDENTITY)]}
+
+
 def check_identity(plan: RunPlan) -> None:
     path = plan.run_dir / IDENTITY
     mine = plan.identity()
     if path.exists():
         try:
-            old = json.loads(path.read_text())
+            old = comparable(json.loads(path.read_text()))
         except ValueError:
             old = None
         if old != mine:
