@@ -74,12 +74,15 @@ def test_a_batch_size_schedule_under_the_rollouts_mode_0_is_refused_and_allowed_
     tail = (f"+{speculation.KEY}={{method: ngram, num_speculative_tokens: 4, prompt_lookup_max: 4, prompt_lookup_min: 2, "
             "num_speculative_tokens_per_batch_size: [[1, 8, 4], [9, 1024, 0]]}")
     with pytest.raises(InputError, match=r"num_speculative_tokens_per_batch_size makes vLLM use piecewise CUDA graphs.*"
-                                         r"has mode 0, so no step would run under a CUDA graph: add "
+                                         r"mode is 0, so no step would run under a CUDA graph: add "
                                          r"actor_rollout_ref.rollout.engine_kwargs.vllm.compilation_config.mode=3"):
         speculation.check(compose(tail, device="gpu"))
-    compiled = [f"{speculation.COMPILATION}.mode=3", f"{speculation.COMPILATION}.cudagraph_mode=PIECEWISE"]
-    spec = speculation.check(compose(tail, *compiled, device="gpu"))
-    assert spec["num_speculative_tokens_per_batch_size"] == [[1, 8, 4], [9, 1024, 0]]
+    for mode in ("3", "VLLM_COMPILE", "vllm_compile"):  # vLLM takes the number or the name
+        spec = speculation.check(compose(tail, f"{speculation.COMPILATION}.mode={mode}", device="gpu"))
+        assert spec["num_speculative_tokens_per_batch_size"] == [[1, 8, 4], [9, 1024, 0]]
+    as_json = f"{speculation.COMPILATION}='{{\"mode\": 3, \"cudagraph_mode\": \"PIECEWISE\"}}'"  # VERL takes a JSON string too
+    assert speculation.check(compose(tail, as_json, device="gpu"))["method"] == "ngram"
+    assert speculation.compilation_mode('{"mode": 0}') == 0 and speculation.compilation_mode(None) is None
     assert speculation.check(compose(NGRAM, device="gpu"))["method"] == "ngram"  # no schedule: mode 0 is fine
 
 

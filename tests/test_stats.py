@@ -150,3 +150,14 @@ def test_aggregate_seeds():
         stats.aggregate_seeds([s1, {"q1": [1]}])
     with pytest.raises(ValueError):
         stats.aggregate_seeds([])
+
+
+def test_paired_difference_of_unbounded_values_only_when_asked():
+    a, b = {"q1": [2.5], "q2": [0.5], "q3": [1.5]}, {"q1": [2.0], "q2": [0.0], "q3": [2.0]}
+    with pytest.raises(ValueError, match="outside"):
+        stats.paired_difference(a, b)  # pass@1 outcomes: a KL in nats is refused by default
+    d = stats.paired_difference(a, b, bounded=False)
+    assert d["diff"] == pytest.approx((0.5 + 0.5 - 0.5) / 3) and d["n_common"] == 3
+    assert d["se"] == pytest.approx(math.sqrt(((1 / 3) ** 2 * 2 + (2 / 3) ** 2) / 2) / math.sqrt(3))
+    with pytest.raises(ValueError, match="non-finite"):
+        stats.paired_difference({**a, "q4": [float("inf")]}, b, bounded=False)

@@ -124,7 +124,7 @@ def test_run_status_from_summary_and_receipts(tmp_path):
     # identity: the same settings pass, other settings for the same folder are refused
     runner.check_identity(plan)
     runner.check_identity(plan)
-    written = json.loads((plan.run_dir / runner.IDENTITY).read_text())  # as written before the name left it
+    written = json.loads((plan.run_dir / runner.IDENTITY).read_text())  # one that lists the name and the budget
     (plan.run_dir / runner.IDENTITY).write_text(json.dumps({**written, "overrides": plan.overrides}))
     runner.check_identity(plan)
     plan.overrides.append("actor_rollout_ref.actor.optim.lr=1")
@@ -263,12 +263,12 @@ def test_report_names_a_clear_difference(tmp_path):
 
 def test_report_pairs_the_teacher_kl_by_question_against_the_control(tmp_path):
     """Per question the seeds' means are averaged, then differenced against the control's (lower is closer)."""
-    kl = {"k1": {1: {"q1": 0.4, "q2": 0.2, "q3": 0.3, "q4": 0.1}, 2: {"q1": 0.2, "q2": 0.2, "q3": 0.5, "q4": 0.1}},
-          "topk": {1: {"q1": 0.1, "q2": 0.2, "q3": 0.2, "q4": 0.1}, 2: {"q1": 0.1, "q2": 0.0, "q3": 0.2, "q4": 0.1}}}
+    kl = {"k1": {1: {"q1": 2.4, "q2": 0.2, "q3": 0.3, "q4": 0.1}, 2: {"q1": 2.2, "q2": 0.2, "q3": 0.5, "q4": 0.1}},
+          "topk": {1: {"q1": 2.1, "q2": 0.2, "q3": 0.2, "q4": 0.1}, 2: {"q1": 2.1, "q2": 0.0, "q3": 0.2, "q4": 0.1}}}
     spec, plans, jobs = _study(tmp_path, {"k1": CONTROL, "topk": TREAT}, kl)
     data = report.build(spec, plans, jobs, {})
     d = data["groups"][0]["diffs"]["topk"]["teacher_kl"]
-    diffs = [0.1 - 0.3, 0.1 - 0.2, 0.2 - 0.4, 0.1 - 0.1]  # per question: treatment mean - control mean
+    diffs = [2.1 - 2.3, 0.1 - 0.2, 0.2 - 0.4, 0.1 - 0.1]  # per question: treatment mean - control mean (nats: > 1 too)
     mean = sum(diffs) / 4
     sd = math.sqrt(sum((x - mean) ** 2 for x in diffs) / 3)
     assert d["diff"] == pytest.approx(mean) and d["se"] == pytest.approx(sd / 2) and d["n_common"] == 4
@@ -276,6 +276,22 @@ def test_report_pairs_the_teacher_kl_by_question_against_the_control(tmp_path):
     assert f"topk vs k1, teacher-KL (lower is closer to the teacher): {mean:+.4f}, SE {sd / 2:.4f}" in md, md
     plain = report.build(*_study(tmp_path / "plain", {"k1": CONTROL, "topk": TREAT}), {})
     assert "teacher_kl" not in plain["groups"][0]["diffs"]["topk"]  # no KL measured: no KL difference
+    # a seed whose summary has no per-question values: the others pair; none at all in the control: said so
+    spec, plans, jobs = _study(tmp_path / "part", {"k1": CONTROL, "topk": TREAT}, kl)
+    for job in jobs:
+        if job.plan.seed == 2:
+            summary = json.loads((job.out / "summary.json").read_text())
+            del summary["teacher_kl"]["per_question"]
+            (job.out / "summary.json").write_text(json.dumps(summary))
+    d = report.build(spec, plans, jobs, {})["groups"][0]["diffs"]["topk"]["teacher_kl"]
+    assert d["diff"] == pytest.approx((-0.3 + 0.0 - 0.1 + 0.0) / 4) and d["n_common"] == 4  # seed 1 alone
+    for job in jobs:
+        summary = json.loads((job.out / "summary.json").read_text())
+        summary["teacher_kl"].pop("per_question", None)
+        (job.out / "summary.json").write_text(json.dumps(summary))
+    data = report.build(spec, plans, jobs, {})
+    assert "per-question" in data["groups"][0]["diffs"]["topk"]["teacher_kl"]["missing"]
+    assert "teacher-KL (lower is closer to the teacher): not paired" in report.write(tmp_path / "part", data)["md"].read_text()
 
 
 def test_cli_dry_run_and_spec_error(tmp_path, capsys):

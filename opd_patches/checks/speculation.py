@@ -9,14 +9,15 @@ The draft-free methods (`DRAFT_FREE`) need no second model. Refused here, each i
 other than vLLM (the `hf` rollout of `+device=cpu` and `+device=gpu-hf`), a value that is not a mapping
 with a method, a method the installed vLLM does not know, `suffix` without arctic-inference (the
 package vLLM's suffix proposer imports), and vLLM's batch-size schedule (`num_speculative_tokens_per_batch_size`,
-speculation only while few sequences remain) without torch.compile: vLLM turns full CUDA graphs into
-piecewise ones for a schedule, and piecewise graphs exist only under its compilation mode 3, so under the
-rollout's mode 0 every step, speculative or not, would run without CUDA graphs.
+speculation only while few sequences remain) under a compilation mode other than VLLM_COMPILE (3): vLLM turns
+full CUDA graphs into piecewise ones for a schedule, and piecewise graphs exist only under that mode, so under
+the rollout's mode 0 every step, speculative or not, would run without CUDA graphs.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import typing
 
 from omegaconf import DictConfig, OmegaConf
@@ -38,6 +39,20 @@ def installed_methods() -> tuple[str, set[str]] | None:
     from vllm.config.speculative import SpeculativeMethod
 
     return vllm.__version__, set(typing.get_args(SpeculativeMethod))  # nested Literals come flattened
+
+
+def compilation_mode(compilation):
+    """The `mode` of the rollout's compilation_config (a mapping, or the JSON string VERL also takes), upper-cased
+    where vLLM's name is given; None where unset (vLLM's default then: VLLM_COMPILE unless eager)."""
+    if isinstance(compilation, str):
+        try:
+            compilation = json.loads(compilation)
+        except ValueError:
+            return None
+    if OmegaConf.is_config(compilation):
+        compilation = OmegaConf.to_container(compilation, resolve=True)
+    mode = compilation.get("mode") if isinstance(compilation, dict) else None
+    return mode.upper() if isinstance(mode, str) else mode
 
 
 def check(config: DictConfig) -> dict | None:
@@ -64,13 +79,10 @@ def check(config: DictConfig) -> dict | None:
                          "(pip install arctic-inference==0.1.1, the version vLLM 0.24 names; installed, it also "
                          "patches vLLM through its plugin in every run)")
     if spec.get("num_speculative_tokens_per_batch_size") is not None:
-        compilation = OmegaConf.select(config, COMPILATION, default=None) or {}
-        if not OmegaConf.is_config(compilation) and not isinstance(compilation, dict):
-            compilation = {}
-        if compilation.get("mode") != VLLM_COMPILE:
+        mode = compilation_mode(OmegaConf.select(config, COMPILATION, default=None))
+        if mode is not None and mode not in (VLLM_COMPILE, "VLLM_COMPILE"):
             raise InputError(f"{KEY}: num_speculative_tokens_per_batch_size makes vLLM use piecewise CUDA graphs, "
-                             f"which need its compilation mode {VLLM_COMPILE} (torch.compile); this run's "
-                             f"{COMPILATION} has mode {compilation.get('mode')!r}, so no step would run under a CUDA "
-                             f"graph: add {COMPILATION}.mode={VLLM_COMPILE} "
-                             f"{COMPILATION}.cudagraph_mode=PIECEWISE, or drop the schedule")
+                             f"which need its compilation mode {VLLM_COMPILE} (VLLM_COMPILE, torch.compile); this "
+                             f"run's {COMPILATION}.mode is {mode!r}, so no step would run under a CUDA graph: add "
+                             f"{COMPILATION}.mode={VLLM_COMPILE}, or drop the schedule")
     return spec

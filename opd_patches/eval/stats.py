@@ -38,8 +38,9 @@ import numpy as np
 ALPHA = 0.05  # significance level of the verdict
 
 
-def _question_means(results: Mapping) -> dict:
-    """``{question_id: (mean outcome, n samples)}``, validating the outcomes."""
+def _question_means(results: Mapping, bounded: bool = True) -> dict:
+    """``{question_id: (mean outcome, n samples)}``, validating the outcomes (in [0, 1] where ``bounded``, else
+    finite)."""
     if not isinstance(results, Mapping):
         raise TypeError(f"results must map question_id -> list of outcomes, got {type(results).__name__}")
     out = {}
@@ -47,8 +48,10 @@ def _question_means(results: Mapping) -> dict:
         values = np.asarray([float(o) for o in outcomes], dtype=float)
         if values.size == 0:
             raise ValueError(f"question {qid!r} has no samples")
-        if not np.all((values >= 0.0) & (values <= 1.0)):
+        if bounded and not np.all((values >= 0.0) & (values <= 1.0)):
             raise ValueError(f"question {qid!r} has outcomes outside [0, 1]: {values.tolist()}")
+        if not np.all(np.isfinite(values)):
+            raise ValueError(f"question {qid!r} has non-finite values: {values.tolist()}")
         out[qid] = (float(values.mean()), int(values.size))
     return out
 
@@ -156,8 +159,9 @@ def t_two_sided_p(t: float, dof: int) -> float:
     return float(min(1.0, max(0.0, 1.0 - a)))
 
 
-def paired_difference(a: Mapping, b: Mapping, name_a: str = "a", name_b: str = "b") -> dict:
-    """Paired comparison of two results mappings on the questions they share (difference = a - b).
+def paired_difference(a: Mapping, b: Mapping, name_a: str = "a", name_b: str = "b", bounded: bool = True) -> dict:
+    """Paired comparison of two results mappings on the questions they share (difference = a - b); outcomes
+    in [0, 1], or any finite per-question values with ``bounded=False`` (e.g. a teacher-KL in nats).
 
     Questions present in only one of them are left out and counted (``only_in_a``, ``only_in_b``); no
     question in common is an error. Per question the difference of the mean outcomes is taken; then
@@ -172,7 +176,7 @@ def paired_difference(a: Mapping, b: Mapping, name_a: str = "a", name_b: str = "
 
     Also ``n_common``, ``mean_a``, ``mean_b`` (on the common questions), ``per_question`` differences.
     """
-    qa, qb = _question_means(a), _question_means(b)
+    qa, qb = _question_means(a, bounded), _question_means(b, bounded)
     common = [q for q in qa if q in qb]
     only_a = sum(1 for q in qa if q not in qb)
     only_b = sum(1 for q in qb if q not in qa)

@@ -100,11 +100,10 @@ def build(spec, plans, jobs: list, job_results: dict) -> dict:
                 block["steps"] = {str(s): st for s, (_, st, _, _) in by_arm[arm].items()}
                 kls = [k for (_, _, k, _) in by_arm[arm].values() if k is not None]
                 block["teacher_kl"] = sum(kls) / len(kls) if kls else None
-                per_q = {}  # {question: [each seed's mean]}: pooled like pass@1's samples
-                for (_, _, _, seed_kl) in by_arm[arm].values():
-                    for q, v in (seed_kl or {}).items():
-                        per_q.setdefault(q, []).append(v)
-                block["teacher_kl_per_question"] = per_q or None
+                seeds_kl = [k for (_, _, _, k) in by_arm[arm].values() if k]
+                shared = set.intersection(*(set(k) for k in seeds_kl)) if seeds_kl else set()
+                # {question: [each seed's mean]} on the questions every seed with values covers, as for pass@1
+                block["teacher_kl_per_question"] = {q: [k[q] for k in seeds_kl] for q in sorted(shared)} or None
                 arms[arm] = block
         diffs = {}
         if spec.control in arms:
@@ -114,11 +113,13 @@ def build(spec, plans, jobs: list, job_results: dict) -> dict:
                     continue
                 d = stats.paired_difference(block["pooled_results"], ctrl, arm, spec.control)
                 diffs[arm] = json_block(d, ("diff", "se", "t", "p_value", "verdict", "n_common", "p_method"))
-                ctrl_kl = arms[spec.control]["teacher_kl_per_question"]
-                if block["teacher_kl_per_question"] and ctrl_kl and set(block["teacher_kl_per_question"]) & set(ctrl_kl):
-                    # lower is better: no verdict in words
-                    d = stats.paired_difference(block["teacher_kl_per_question"], ctrl_kl, arm, spec.control)
+                mine, ctrl_kl = block["teacher_kl_per_question"], arms[spec.control]["teacher_kl_per_question"]
+                if mine and ctrl_kl and set(mine) & set(ctrl_kl):  # lower is better: no verdict in words
+                    d = stats.paired_difference(mine, ctrl_kl, arm, spec.control, bounded=False)
                     diffs[arm]["teacher_kl"] = json_block(d, ("diff", "se", "t", "p_value", "n_common"))
+                elif block["teacher_kl"] is not None and arms[spec.control]["teacher_kl"] is not None:
+                    diffs[arm]["teacher_kl"] = {"missing": "an evaluation's summary.json has no per-question "
+                                                           "teacher-KL: evaluate it again to pair it"}
         out_groups.append({"suite": suite, "checkpoint": label, "arms": arms, "diffs": diffs,
                            "missing_arms": [a for a in arm_order if a not in arms]})
     runs = [{"arm": p.arm, "seed": p.seed, "recipe": p.recipe, "run_dir": str(p.run_dir), **p.result} for p in plans]
@@ -282,9 +283,12 @@ def markdown(data: dict, chart: str | None) -> str:
         if g["diffs"]:
             lines += ["", "In words:"]
             lines += [f"- {arm} vs {data['control']}: {d['verdict']}" for arm, d in g["diffs"].items()]
-            lines += [f"- {arm} vs {data['control']}, teacher-KL (lower is closer to the teacher): "
-                      f"{_f(d['teacher_kl']['diff'], '+.4f')}, SE {_f(d['teacher_kl']['se'], '.4f')}, p {_f(d['teacher_kl']['p_value'], '.3g')}"
-                      for arm, d in g["diffs"].items() if d.get("teacher_kl")]
+            for arm, d in g["diffs"].items():
+                kl = d.get("teacher_kl")
+                if kl:
+                    lines.append(f"- {arm} vs {data['control']}, teacher-KL (lower is closer to the teacher): " + (
+                        f"not paired: {kl['missing']}" if "missing" in kl else
+                        f"{_f(kl['diff'], '+.4f')}, SE {_f(kl['se'], '.4f')}, p {_f(kl['p_value'], '.3g')}"))
     if not data["groups"]:
         lines += ["", "No complete evaluation yet."]
     failed = [e for e in data["evaluations"] if e.get("state") in ("failed", "missing")]

@@ -107,8 +107,8 @@ NOT_IDENTITY = ("trainer.total_training_steps=", "opd.wall_clock_s=", "opd.reser
 
 
 def comparable(identity):
-    """An identity without the overrides that do not make another run (NOT_IDENTITY): also applied to the
-    study_run.json a folder holds, which kept the experiment name when it was written before that rule."""
+    """An identity without the overrides that do not make another run (NOT_IDENTITY); applied to the
+    study_run.json a folder holds too, which may list them."""
     if not isinstance(identity, dict) or not isinstance(identity.get("overrides"), list):
         return identity
     return {**identity, "overrides": [o for o in identity["overrides"] if not str(o).startswith(NOT_IDENTITY)]}
