@@ -86,10 +86,11 @@ def build(spec, plans, jobs: list, job_results: dict) -> dict:
             p = stats.pass_at_1(res)
             references.setdefault(job.suite, {})[job.ref] = {
                 "model": str(job.model), "pass_at_1": p["mean"], "se": finite(p["clustered_se"]),
-                "n_questions": p["n_questions"], "teacher_kl": _kl(job.out), "results": res}
+                "n_questions": p["n_questions"], "teacher_kl": _kl(job.out).get("teacher_kl"), "results": res}
             continue
         g = groups.setdefault((job.suite, job.label), {})
-        g.setdefault(job.plan.arm, {})[job.plan.seed] = (res, job.step, _kl(job.out), _kl(job.out, "per_question"))
+        kl = _kl(job.out)
+        g.setdefault(job.plan.arm, {})[job.plan.seed] = (res, job.step, kl.get("teacher_kl"), kl.get("per_question"))
     out_groups = []
     arm_order = [a.name for a in spec.arms]
     for (suite, label), by_arm in groups.items():
@@ -134,13 +135,13 @@ def build(spec, plans, jobs: list, job_results: dict) -> dict:
     }
 
 
-def _kl(folder: Path, key: str = "teacher_kl"):
-    """The evaluation's teacher-KL (nats per response token; `key="per_question"`: {question: its mean}), if it
-    measured one."""
+def _kl(folder: Path) -> dict:
+    """The evaluation's teacher-KL block (`teacher_kl`: nats per response token; `per_question`: {question: its
+    mean}), {} where it measured none."""
     try:
-        return (json.loads((Path(folder) / "summary.json").read_text()).get("teacher_kl") or {}).get(key)
+        return json.loads((Path(folder) / "summary.json").read_text()).get("teacher_kl") or {}
     except (OSError, ValueError):
-        return None
+        return {}
 
 
 def _step(label: str, steps: dict) -> int | None:
