@@ -1,6 +1,7 @@
 """The statistics of tools/spec_exactness.py (the GPU check that speculation keeps the sampling distribution),
 against closed forms and on samples whose distributions are known."""
 
+import json
 import math
 import random
 from collections import Counter
@@ -40,11 +41,41 @@ def test_two_samples_of_one_sampler_pass_and_the_planted_bias_is_rejected():
     result = se.compare({"q": plain}, {"q": spec}, [2, 3, 4, 8], alpha=0.01, bias=0.2, min_shift=0.1)
     assert result["exact"], min(t["p"] for t in result["tests"])
     assert result["level_per_test"] == pytest.approx(0.01 / 4)
-    # the planted sampler moves bias x (1 - top share) of each position's probability onto its top token
     assert result["planted_tests"] >= 2 and result["planted_rejected"], result["planted"]
     for t in result["planted"]:
+        # bias x the share moved: off a top token that holds half or more, else onto it
         top_share = max(Counter(se.token_at(spec, t["position"])).values()) / len(spec)
-        assert t["shift"] == pytest.approx(0.2 * (1 - top_share))
+        assert t["shift"] == pytest.approx(0.2 * (top_share if top_share >= 0.5 else 1 - top_share))
+
+
+def peaked(rng: random.Random, n: int, length: int, top_share: float) -> list[list[int]]:
+    """Sequences whose every token is 0 with probability `top_share`, else 1, 2 or 3: a trained model's peak."""
+    return [[0 if rng.random() < top_share else rng.choice([1, 2, 3]) for _ in range(length)] for _ in range(n)]
+
+
+def test_the_planted_bias_moves_a_tenth_of_the_mass_where_the_model_is_peaked():
+    """Moving samples onto a token that already holds 90 % shifts little; moving them off it shifts bias x 0.9."""
+    plain, spec = peaked(random.Random(1), 4000, 8, 0.9), peaked(random.Random(2), 4000, 8, 0.9)
+    result = se.compare({"q": plain}, {"q": spec}, [2, 4, 8], alpha=0.01, bias=0.2, min_shift=0.1)
+    assert result["exact"]
+    assert [round(t["shift"], 2) for t in result["planted"]] == [pytest.approx(0.18, abs=0.01)] * 3
+    assert result["planted_tests"] == 3 and result["planted_rejected"]
+    biased, _ = se.plant_bias(spec, [2], 0.2)
+    assert Counter(se.token_at(biased, 2))[0] / 4000 == pytest.approx(0.9 * 0.8, abs=0.02)
+
+
+def test_reuse_tests_the_kept_samples_again_without_an_engine(tmp_path, capsys):
+    out = tmp_path / "exactness.json"
+    assert se.main(["--reuse", "--out", str(out)]) == 2  # nothing kept yet
+    assert "missing" in capsys.readouterr().err
+    counters = {"drafted": 40.0, "accepted": 25.0}
+    for engine, seed in (("plain", 1), ("spec", 2)):
+        drawn = {"samples": {"q": chain(random.Random(seed), 2000, 8)}, "counters": counters}
+        out.with_suffix(f".{engine}.json").write_text(json.dumps(drawn))
+    assert se.main(["--reuse", "--out", str(out), "--positions", "2,3,4"]) == 0
+    result = json.loads(out.read_text())
+    assert result["exact"] and result["planted_rejected"] and result["exercised"]
+    assert result["samples"] == 2000 and result["prompts"] == 1 and len(result["tests"]) == 3
 
 
 def test_a_sampler_off_at_one_position_is_caught():

@@ -3,6 +3,7 @@
     python -m tools.spec_exactness --model .cache/addition/student [--samples 4000] [--prompts 4]
         [--positions 2,3,4,8,16] [--spec '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
         "prompt_lookup_min": 2}'] [--alpha 0.01] [--bias 0.2] [--min-shift 0.1] [--out outputs/spec_exactness.json]
+        [--reuse]
 
 For each of the known-answer task's first `--prompts` held-out questions (the model's chat template), two
 engines draw `--samples` continuations at temperature 1: one plain, one with `--spec`, each in its own child
@@ -13,11 +14,15 @@ by a chi-square test of homogeneity over the most frequent tokens (`homogeneity`
 all tests (Bonferroni). It compares each position's token distribution, not whole sequences. Three checks,
 all needed for exit 0:
 - exact: no test rejects plain against speculative;
-- power: the same tests reject a planted biased sampler, the speculative samples with each tested token
-  replaced, with probability `--bias`, by their own most frequent token there (`plant_bias`), at every test
-  where that moves at least `--min-shift` of the probability (bias x (1 - the top token's share));
+- power: the same tests reject a planted biased sampler, the speculative samples with each tested token moved,
+  with probability `--bias`, off the most frequent token there onto the second where the most frequent holds
+  half the samples or more (a peaked position, as a trained model's), else onto the most frequent
+  (`plant_bias`), at every test where that moves at least `--min-shift` of the probability
+  (bias x the share moved);
 - exercised: the speculative engine's counters show drafted and accepted tokens (vLLM's spec-decode metrics).
-Needs a GPU and vLLM; the statistics run on a CPU too (tests/test_spec_exactness.py).
+Each engine's samples are kept beside --out (`<out>.plain.json`, `<out>.spec.json`); `--reuse` tests those
+again without drawing (on any machine). Drawing needs a GPU and vLLM; the statistics run on a CPU too
+(tests/test_spec_exactness.py).
 """
 
 from __future__ import annotations
@@ -86,20 +91,27 @@ def token_at(samples: list[list[int]], position: int) -> list:
 
 
 def plant_bias(samples: list[list[int]], positions: list[int], bias: float, seed: int = 0) -> tuple[list[list], dict]:
-    """`samples` with the token at each of `positions` replaced, with probability `bias`, by their own most
-    frequent token there: a sampler whose marginal there is off by bias x (1 - that token's share), the shift
-    returned per position."""
+    """`samples` with the token at each of `positions` moved, with probability `bias`, from the most frequent
+    token there onto the second where the most frequent holds at least half the samples, else from every
+    other token onto the most frequent: a sampler whose marginal there is off by bias x the share moved
+    (at least bias / 2 wherever two tokens occur), the shift returned per position."""
     rng = random.Random(seed)
-    top, shift = {}, {}
+    plan, shift = {}, {}  # position: (moves the top token away?, the top token, where a moved token goes)
     for k in positions:
-        (token, count), = Counter(token_at(samples, k)).most_common(1)
-        top[k], shift[k] = token, bias * (1 - count / len(samples))
+        ranked = Counter(token_at(samples, k)).most_common(2)
+        top, share = ranked[0][0], ranked[0][1] / len(samples)
+        if len(ranked) < 2:
+            plan[k], shift[k] = None, 0.0
+        elif share >= 0.5:
+            plan[k], shift[k] = (True, top, ranked[1][0]), bias * share
+        else:
+            plan[k], shift[k] = (False, top, top), bias * (1 - share)
     out = []
     for s in samples:
         s = list(s) + ["end"] * max(0, max(positions) - len(s))
         for k in positions:
-            if rng.random() < bias:
-                s[k - 1] = top[k]
+            if plan[k] and (s[k - 1] == plan[k][1]) == plan[k][0] and rng.random() < bias:
+                s[k - 1] = plan[k][2]
         out.append(s)
     return out, shift
 
@@ -155,7 +167,7 @@ def draw(args) -> dict:
         out[text] = [list(r.outputs[0].token_ids) for r in results]
     from tools.bench.spec_decode import counters
 
-    return {"samples": out, "counters": counters(llm)}
+    return {"samples": out, "counters": counters(llm), "spec": spec}
 
 
 def main(argv=None) -> int:
@@ -169,6 +181,7 @@ def main(argv=None) -> int:
     ap.add_argument("--bias", type=float, default=0.2)
     ap.add_argument("--min-shift", type=float, default=0.1, help="the planted bias must be rejected where it moves this much")
     ap.add_argument("--out", type=Path, default=REPO / "outputs" / "spec_exactness.json")
+    ap.add_argument("--reuse", action="store_true", help="test the samples already beside --out again, drawing none")
     ap.add_argument("--engine", choices=["plain", "spec"], help=argparse.SUPPRESS)  # the child's part
     ap.add_argument("--child-out", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -180,6 +193,13 @@ def main(argv=None) -> int:
     drawn = {}
     for engine in ("plain", "spec"):
         child_out = args.out.with_suffix(f".{engine}.json")
+        if args.reuse:
+            if not child_out.is_file():
+                print(f"[spec-exactness] --reuse: {child_out} is missing; run without --reuse on a GPU first",
+                      file=sys.stderr)
+                return 2
+            drawn[engine] = json.loads(child_out.read_text())
+            continue
         cmd = [sys.executable, "-m", "tools.spec_exactness", "--engine", engine, "--child-out", str(child_out),
                "--model", args.model, "--samples", str(args.samples), "--prompts", str(args.prompts),
                "--positions", ",".join(map(str, args.positions)), "--spec", args.spec]
@@ -192,7 +212,9 @@ def main(argv=None) -> int:
                      args.min_shift)
     counters = drawn["spec"]["counters"]
     drafted, accepted = counters["drafted"], counters["accepted"]
-    result.update(spec=json.loads(args.spec), samples=args.samples, prompts=args.prompts, positions=args.positions,
+    samples = {len(v) for v in drawn["spec"]["samples"].values()}
+    result.update(spec=drawn["spec"].get("spec") or json.loads(args.spec), samples=samples.pop() if len(samples) == 1 else sorted(samples),
+                  prompts=len(drawn["spec"]["samples"]), positions=args.positions,
                   alpha=args.alpha, bias=args.bias, min_shift=args.min_shift, counters=counters, drafted=drafted, accepted=accepted,
                   exercised=drafted > 0 and accepted > 0)
     args.out.write_text(json.dumps(result, indent=1))
