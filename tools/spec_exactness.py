@@ -212,8 +212,8 @@ def main(argv=None) -> int:
                      args.min_shift)
     counters = drawn["spec"]["counters"]
     drafted, accepted = counters["drafted"], counters["accepted"]
-    samples = {len(v) for v in drawn["spec"]["samples"].values()}
-    result.update(spec=drawn["spec"].get("spec") or json.loads(args.spec), samples=samples.pop() if len(samples) == 1 else sorted(samples),
+    sizes = sorted({len(v) for v in drawn["spec"]["samples"].values()})
+    result.update(spec=drawn["spec"].get("spec") or json.loads(args.spec), samples=sizes[0] if len(sizes) == 1 else sizes,
                   prompts=len(drawn["spec"]["samples"]), positions=args.positions,
                   alpha=args.alpha, bias=args.bias, min_shift=args.min_shift, counters=counters, drafted=drafted, accepted=accepted,
                   exercised=drafted > 0 and accepted > 0)

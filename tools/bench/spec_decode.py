@@ -1,22 +1,40 @@
 """Bench phase `specdecode`: the rollout's decode with and without speculation, against the drafts' acceptance.
 
-    python -m tools.bench.spec_decode [--batches 32 8 1] [--tokens 1024] [--temperatures 1 0.25 0.1 0.05]
+    python -m tools.bench.spec_decode [--model random|echo] [--batches 32 8 1] [--tokens 1024] [--temperatures ...]
         [--spec '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}']
         [--compile rollout|default|full|piecewise] [--workdir .cache/bench] [--out bench.json]
 
-One engine per child process, plain then speculative, on the random R1-Distill-1.5B-architecture model
-(opd_patches/embedded/r1_arch.py) with the rollout's memory share (0.5) and, with `--compile rollout`, its
-compilation (recipes/device/gpu.yaml: CUDA graphs for one-token decode, no torch.compile); `default` is vLLM's
-own, `full` and `piecewise` are torch.compile (VLLM_COMPILE) with those CUDA-graph modes. For each batch size B
-and temperature T: B prompts x `--tokens` forced new tokens (EOS ignored, per-request seeds).
+One engine per child process, plain then speculative, on an R1-Distill-1.5B-architecture model with the rollout's
+memory share (0.5) and, with `--compile rollout`, its compilation (recipes/device/gpu.yaml: CUDA graphs for
+one-token decode, no torch.compile); `default` is vLLM's own, `full` and `piecewise` are torch.compile
+(VLLM_COMPILE) with those CUDA-graph modes. For each batch size B and temperature T: B prompts x `--tokens` forced
+new tokens (EOS ignored, per-request seeds).
 
-The acceptance is set by the temperature. Random weights at T = 1 give near-uniform tokens: ngram finds
-nothing to propose (an idle proposer). Sampling at T = 1/s is sampling at T = 1 from the same model with its
-lm_head scaled by s: peaked enough to fall into repetition loops, so drafts are proposed and, the lower T, the
-more of them accepted, while every draft still goes through the rejection test. Each row: the seconds, ms per
-output token of one sequence (an engine step without speculation), the engine's start-up, and from vLLM's
-counters the drafts, drafted and accepted tokens and the mean accepted length (1 + accepted / drafts); a
-speculative row's `ratio` is its time over the plain row's at the same B and T: below 1 speculation pays.
+Two models of the same compute per token:
+
+- `random` (default; opd_patches/embedded/r1_arch.py, seed 0): random weights propose almost no drafts at any
+  temperature tried, down to T = 0.02 (a low temperature makes each choice near-greedy, not repetitive), so
+  ngram is an idle proposer and the speculative rows are the cost of speculating at zero acceptance.
+  Default T: 1, 0.25, 0.1, 0.05.
+- `echo` (tools/bench/echo_model.py, written from `random`): the same weights with every layer's output
+  projections zero and lm_head a copy of the embedding, so the model repeats its last token with a probability
+  r(T) and otherwise jumps to an almost uniformly drawn other token. The shapes, dtypes and kernels are those of
+  `random` (zeros cost what random weights cost): a step's compute is unchanged and the temperature sets the
+  acceptance. Every ngram draft repeats the current token (the earliest match of the run's suffix lies inside
+  the run) and is accepted with probability r, so a full draft of k = 4 tokens gives a mean accepted length per
+  verification step of 1 + r + r^2 + r^3 + r^4. Drafts are shorter while the current run is short (a run of L
+  tokens matches its last n = min(4, L - 1) and drafts min(k, L - n): nothing before L = 3, four from L = 8),
+  so vLLM's mean accepted length lies below that sum, and the share of steps that speculate grows with r.
+  Default T: 4, 2.55, 2.3, 2.05, 1, where r is about 0.01, 0.5, 0.8, 0.95 and 1 on the seed-0 model
+  (`echo_model.repeat_probability`; each echo row records its r as `repeat_p`). r(T) rests on the embedding's
+  scale (initializer range 0.02, hidden 1536), not on the draw: the own logit is about 0.02 x 1536, the others
+  spread by about 0.02 x sqrt(1536).
+
+Each row: the seconds, ms per output token of one sequence (an engine step without speculation), the engine's
+start-up, and from vLLM's counters the drafts, drafted and accepted tokens and the mean accepted length
+(1 + accepted / drafts); a speculative row's `ratio` is its time over the plain row's at the same B and T: below
+1 speculation pays. Rows are named specdecode/<compile>/<engine>/b<B>/T<T> for `random` and
+specdecode/<compile>/echo/<engine>/b<B>/T<T> for `echo`.
 """
 
 from __future__ import annotations
@@ -35,6 +53,8 @@ REPO = Path(__file__).resolve().parents[2]
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
 COMPILE = {"rollout": {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}, "default": None,
            "full": {"mode": 3, "cudagraph_mode": "FULL"}, "piecewise": {"mode": 3, "cudagraph_mode": "PIECEWISE"}}
+# echo: from almost no repeats to almost only repeats (r(T) in the module docstring)
+TEMPERATURES = {"random": [1.0, 0.25, 0.1, 0.05], "echo": [4.0, 2.55, 2.3, 2.05, 1.0]}
 
 
 def counters(llm) -> dict[str, float]:
@@ -51,12 +71,12 @@ def child(args) -> list[dict]:
     spec = json.loads(args.spec) if args.engine == "spec" else None
     cc = COMPILE[args.compile]
     start = time.monotonic()
-    llm = LLM(model=str(args.model), dtype="bfloat16", gpu_memory_utilization=0.5, max_model_len=64 + args.tokens + 16,
+    llm = LLM(model=str(args.path), dtype="bfloat16", gpu_memory_utilization=0.5, max_model_len=64 + args.tokens + 16,
               seed=0, disable_log_stats=False, **({"compilation_config": cc} if cc else {}),
               **({"speculative_config": spec} if spec else {}))
     startup = time.monotonic() - start
     rows = []
-    for temperature in args.temperatures:
+    for temperature in args.temperatures or TEMPERATURES[args.model]:
         for batch in args.batches:
             prompts = [TokensPrompt(prompt_token_ids=[(1000 + 7 * i + j) % 150000 for j in range(64)]) for i in range(batch)]
             params = [SamplingParams(temperature=temperature, max_tokens=args.tokens, min_tokens=args.tokens,
@@ -69,51 +89,84 @@ def child(args) -> list[dict]:
             after = counters(llm)
             made = min(len(o.outputs[0].token_ids) for o in outs)
             drafts, drafted, accepted = (after[k] - before[k] for k in ("drafts", "drafted", "accepted"))
-            rows.append({"engine": args.engine, "batch": batch, "temperature": temperature, "tokens": made,
-                         "seconds": round(seconds, 3), "ms_per_token": round(1e3 * seconds / args.tokens, 3),
+            rows.append({"model": args.model, "engine": args.engine, "batch": batch, "temperature": temperature,
+                         "tokens": made, "seconds": round(seconds, 3), "ms_per_token": round(1e3 * seconds / args.tokens, 3),
                          "startup_s": round(startup, 1), "drafts": drafts, "drafted": drafted, "accepted": accepted,
                          "accept_rate": round(accepted / drafted, 4) if drafted else None,
                          "accept_length": round(1 + accepted / drafts, 4) if drafts else None})
-            print(f"[bench specdecode] {args.engine} B={batch} T={temperature}: {rows[-1]}", flush=True)
+            print(f"[bench specdecode] {args.model} {args.engine} B={batch} T={temperature}: {rows[-1]}", flush=True)
     return rows
 
 
+def row_name(compile_name: str, model: str, engine: str, batch: int, temperature: float) -> str:
+    """`random` rows keep the names they had before there was a choice of model."""
+    return "/".join(["specdecode", compile_name, *([] if model == "random" else [model]), engine, f"b{batch}",
+                     f"T{temperature:g}"])
+
+
 def pair_rows(rows: list[dict], compile_name: str) -> list[dict]:
-    """The bench's rows: each speculative measurement against the plain one at the same batch and temperature."""
-    plain = {(r["batch"], r["temperature"]): r for r in rows if r["engine"] == "plain"}
+    """The bench's rows: each speculative measurement against the plain one of its model, batch and temperature."""
+    def key(r):
+        return r.get("model", "random"), r["batch"], r["temperature"]
+
+    plain = {key(r): r for r in rows if r["engine"] == "plain"}
     out = []
     for r in rows:
-        ref = plain.get((r["batch"], r["temperature"])) if r["engine"] == "spec" else None
-        out.append({"name": f"specdecode/{compile_name}/{r['engine']}/b{r['batch']}/T{r['temperature']:g}",
+        ref = plain.get(key(r)) if r["engine"] == "spec" else None
+        out.append({"name": row_name(compile_name, r.get("model", "random"), r["engine"], r["batch"], r["temperature"]),
                     "time_s": r["seconds"], "ref_time_s": ref["seconds"] if ref else None,
                     "ratio": round(r["seconds"] / ref["seconds"], 3) if ref else None,
                     "tok_per_s": r["batch"] * r["tokens"] / r["seconds"] if r["seconds"] else None, "peak_gib": None, **r})
     return out
 
 
-def run_phase(args) -> dict:
-    workdir = Path(getattr(args, "workdir", None) or REPO / ".cache" / "bench")
+def model_folder(workdir: Path, model: str) -> Path:
+    """The checkpoint of `model` under `workdir`, built on first use (the echo copy from the random one)."""
     # drawn in a child: a CUDA draw here would hold its context and cached memory beside both engines
     subprocess.run([sys.executable, "-m", "opd_patches.embedded.r1_arch", "--out", str(workdir / "r1_arch"),
                     "--seeds", "0", "--device", "cuda"], check=True, cwd=REPO)
-    model = workdir / "r1_arch" / "seed0"
+    folder = workdir / "r1_arch" / "seed0"
+    if model == "echo":
+        from tools.bench import echo_model
+
+        echo = workdir / "r1_arch" / "echo0"
+        if not echo.exists():
+            echo_model.write_echo(folder, echo)
+        folder = echo
+    return folder
+
+
+def run_phase(args) -> dict:
+    workdir = Path(getattr(args, "workdir", None) or REPO / ".cache" / "bench")
+    model = getattr(args, "model", None) or "random"
+    folder = model_folder(workdir, model)
     spec = getattr(args, "spec", None) or json.dumps(NGRAM)
     compile_name = getattr(args, "compile", None) or "rollout"
     batches = getattr(args, "batches", None) or [32, 8, 1]
     tokens = getattr(args, "tokens", None) or 1024
-    temperatures = getattr(args, "temperatures", None) or [1.0, 0.25, 0.1, 0.05]
+    temperatures = getattr(args, "temperatures", None) or TEMPERATURES[model]
     rows = []
     for engine in ("plain", "spec"):
-        out = workdir / f"specdecode-{engine}.json"
-        cmd = [sys.executable, "-m", "tools.bench.spec_decode", "child", "--engine", engine, "--model", str(model),
-               "--spec", spec, "--compile", compile_name, "--tokens", str(tokens), "--out", str(out),
-               "--batches", *map(str, batches), "--temperatures", *map(str, temperatures)]
+        out = workdir / f"specdecode-{model}-{engine}.json"
+        cmd = [sys.executable, "-m", "tools.bench.spec_decode", "child", "--engine", engine, "--model", model,
+               "--path", str(folder), "--spec", spec, "--compile", compile_name, "--tokens", str(tokens),
+               "--out", str(out), "--batches", *map(str, batches), "--temperatures", *map(str, temperatures)]
         if subprocess.run(cmd, cwd=REPO).returncode != 0:
             raise RuntimeError(f"specdecode: the {engine} engine failed")
         rows += json.loads(out.read_text())
-    return {"size": "full", "rows": pair_rows(rows, compile_name), "spec": json.loads(spec), "compile": compile_name,
-            "notes": ["ratio: the speculative engine's seconds over the plain engine's at the same batch and temperature",
-                      "T = 1/s samples the model with its lm_head scaled by s at T = 1: the acceptance rises as T falls"]}
+    notes = ["ratio: the speculative engine's seconds over the plain engine's at the same batch and temperature"]
+    if model == "echo":
+        from tools.bench import echo_model
+
+        repeat = echo_model.repeat_probability(folder, temperatures)
+        for r in rows:
+            r["repeat_p"] = round(repeat[float(r["temperature"])], 4)
+        notes.append("echo: repeat_p = r(T), the chance of repeating the last token, which each drafted repeat is "
+                     "accepted with; a full draft of 4 gives an accepted length of 1 + r + r^2 + r^3 + r^4")
+    else:
+        notes.append("random weights: almost no drafts at any temperature, the cost of speculating at zero acceptance")
+    return {"size": "full", "model": model, "rows": pair_rows(rows, compile_name), "spec": json.loads(spec),
+            "compile": compile_name, "notes": notes}
 
 
 def main(argv=None) -> int:
@@ -121,14 +174,16 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--batches", type=int, nargs="+", default=[32, 8, 1])
     p.add_argument("--tokens", type=int, default=1024)
-    p.add_argument("--temperatures", type=float, nargs="+", default=[1.0, 0.25, 0.1, 0.05])
+    p.add_argument("--model", choices=sorted(TEMPERATURES), default="random",
+                   help="random weights, or their echo copy (tools/bench/echo_model.py)")
+    p.add_argument("--temperatures", type=float, nargs="+", help=f"default: per model, {TEMPERATURES}")
     p.add_argument("--spec", default=json.dumps(NGRAM), help="speculative_config as JSON")
     p.add_argument("--compile", choices=sorted(COMPILE), default="rollout")
     p.add_argument("--workdir", type=Path, default=REPO / ".cache" / "bench")
     p.add_argument("--out", type=Path, default=Path("bench.json"))
     if argv[:1] == ["child"]:
         p.add_argument("--engine", choices=("plain", "spec"), required=True)
-        p.add_argument("--model", type=Path, required=True)
+        p.add_argument("--path", type=Path, required=True, help="the model's checkpoint folder")
         a = p.parse_args(argv[1:])
         a.out.write_text(json.dumps(child(a)))
         return 0
