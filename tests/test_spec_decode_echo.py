@@ -123,3 +123,43 @@ def test_echo_rows_are_named_and_paired_apart_from_the_random_ones():
                        "specdecode/full/echo/plain/b32/T2.55", "specdecode/full/echo/spec/b32/T2.55"}
     assert by["specdecode/full/echo/spec/b32/T2.55"]["ratio"] == 0.5
     assert by["specdecode/full/spec/b32/T2.55"]["ratio"] == 1.25
+
+
+def test_the_bench_hands_each_engine_child_the_echo_folder_and_its_temperatures(tmp_path, monkeypatch):
+    """run_phase -> child command line -> the child's own argument parser -> rows paired, each with its r(T):
+    everything of the GPU bench but the engine (a child here returns one row per batch and temperature)."""
+    import argparse
+    import subprocess
+
+    from tools.bench import spec_decode
+
+    src = tiny_source(tmp_path / "src", sharded=False)
+    echo = echo_model.write_echo(src, tmp_path / "echo0")
+    monkeypatch.setattr(spec_decode, "model_folder", lambda workdir, model: echo)
+    seen = []
+
+    def child(args):
+        seen.append(args)
+        return [{"model": args.model, "engine": args.engine, "batch": b, "temperature": t, "tokens": args.tokens,
+                 "seconds": 2.0 if args.engine == "spec" else 4.0, "ms_per_token": 1.0, "startup_s": 1.0,
+                 "drafts": 0.0, "drafted": 0.0, "accepted": 0.0, "accept_rate": None, "accept_length": None}
+                for t in args.temperatures for b in args.batches]
+
+    def run(cmd, cwd=None):
+        assert cmd[1:4] == ["-m", "tools.bench.spec_decode", "child"]
+        return subprocess.CompletedProcess(cmd, spec_decode.main(cmd[3:]))
+
+    monkeypatch.setattr(spec_decode, "child", child)
+    monkeypatch.setattr(spec_decode.subprocess, "run", run)
+    args = argparse.Namespace(model="echo", workdir=tmp_path, batches=[32, 1], tokens=16, temperatures=None,
+                              compile="full", spec=None)
+    entry = spec_decode.run_phase(args)
+    assert [a.engine for a in seen] == ["plain", "spec"]
+    assert all(a.path == echo and a.model == "echo" and a.compile == "full" for a in seen)
+    assert seen[0].temperatures == spec_decode.TEMPERATURES["echo"]
+    assert entry["model"] == "echo" and len(entry["rows"]) == 2 * 2 * len(spec_decode.TEMPERATURES["echo"])
+    spec_rows = [r for r in entry["rows"] if r["engine"] == "spec"]
+    assert all(r["ratio"] == 0.5 and r["name"].startswith("specdecode/full/echo/spec/") for r in spec_rows)
+    r_of = echo_model.repeat_probability(echo, spec_decode.TEMPERATURES["echo"])
+    assert {r["temperature"]: r["repeat_p"] for r in spec_rows} == {t: round(p, 4) for t, p in r_of.items()}
+    assert r_of[4.0] < r_of[1.0]  # the temperature sets how often the model repeats

@@ -53,8 +53,9 @@ def peaked(rng: random.Random, n: int, length: int, top_share: float) -> list[li
     return [[0 if rng.random() < top_share else rng.choice([1, 2, 3]) for _ in range(length)] for _ in range(n)]
 
 
-def test_the_planted_bias_moves_a_tenth_of_the_mass_where_the_model_is_peaked():
-    """Moving samples onto a token that already holds 90 % shifts little; moving them off it shifts bias x 0.9."""
+def test_the_planted_bias_moves_mass_off_the_top_token_where_the_model_is_peaked():
+    """Moving samples onto a token that already holds 90 % would shift a tenth of the bias; moving them off it
+    shifts bias x 0.9. A position where one token holds every sample gets a token never seen there."""
     plain, spec = peaked(random.Random(1), 4000, 8, 0.9), peaked(random.Random(2), 4000, 8, 0.9)
     result = se.compare({"q": plain}, {"q": spec}, [2, 4, 8], alpha=0.01, bias=0.2, min_shift=0.1)
     assert result["exact"]
@@ -62,6 +63,9 @@ def test_the_planted_bias_moves_a_tenth_of_the_mass_where_the_model_is_peaked():
     assert result["planted_tests"] == 3 and result["planted_rejected"]
     biased, _ = se.plant_bias(spec, [2], 0.2)
     assert Counter(se.token_at(biased, 2))[0] / 4000 == pytest.approx(0.9 * 0.8, abs=0.02)
+    certain = [[0] + s[1:] for s in spec]
+    result = se.compare({"q": certain}, {"q": certain}, [1, 2], alpha=0.01, bias=0.2, min_shift=0.1)
+    assert [t["shift"] for t in result["planted"]][0] == 0.2 and result["planted_rejected"]
 
 
 def test_reuse_tests_the_kept_samples_again_without_an_engine(tmp_path, capsys):
@@ -76,6 +80,11 @@ def test_reuse_tests_the_kept_samples_again_without_an_engine(tmp_path, capsys):
     result = json.loads(out.read_text())
     assert result["exact"] and result["planted_rejected"] and result["exercised"]
     assert result["samples"] == 2000 and result["prompts"] == 1 and len(result["tests"]) == 3
+    assert result["spec"] is None  # the kept samples do not say which speculative_config drew them
+    drawn["samples"] = {"another question": drawn["samples"]["q"]}
+    out.with_suffix(".spec.json").write_text(json.dumps(drawn))
+    assert se.main(["--reuse", "--out", str(out)]) == 2
+    assert "different prompts" in capsys.readouterr().err
 
 
 def test_a_sampler_off_at_one_position_is_caught():

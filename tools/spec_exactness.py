@@ -94,14 +94,15 @@ def plant_bias(samples: list[list[int]], positions: list[int], bias: float, seed
     """`samples` with the token at each of `positions` moved, with probability `bias`, from the most frequent
     token there onto the second where the most frequent holds at least half the samples, else from every
     other token onto the most frequent: a sampler whose marginal there is off by bias x the share moved
-    (at least bias / 2 wherever two tokens occur), the shift returned per position."""
+    (at least bias / 2; where one token holds every sample, a token never seen there takes its place), the
+    shift returned per position."""
     rng = random.Random(seed)
     plan, shift = {}, {}  # position: (moves the top token away?, the top token, where a moved token goes)
     for k in positions:
         ranked = Counter(token_at(samples, k)).most_common(2)
         top, share = ranked[0][0], ranked[0][1] / len(samples)
-        if len(ranked) < 2:
-            plan[k], shift[k] = None, 0.0
+        if len(ranked) < 2:  # one token only: the planted sampler sometimes writes a token never seen there
+            plan[k], shift[k] = (True, top, "planted"), bias
         elif share >= 0.5:
             plan[k], shift[k] = (True, top, ranked[1][0]), bias * share
         else:
@@ -110,7 +111,7 @@ def plant_bias(samples: list[list[int]], positions: list[int], bias: float, seed
     for s in samples:
         s = list(s) + ["end"] * max(0, max(positions) - len(s))
         for k in positions:
-            if plan[k] and (s[k - 1] == plan[k][1]) == plan[k][0] and rng.random() < bias:
+            if (s[k - 1] == plan[k][1]) == plan[k][0] and rng.random() < bias:
                 s[k - 1] = plan[k][2]
         out.append(s)
     return out, shift
@@ -208,12 +209,16 @@ def main(argv=None) -> int:
             print(f"[spec-exactness] the {engine} engine failed", file=sys.stderr)
             return 1
         drawn[engine] = json.loads(child_out.read_text())
+    if set(drawn["plain"]["samples"]) != set(drawn["spec"]["samples"]):
+        print("[spec-exactness] the plain and speculative samples are of different prompts: draw both again",
+              file=sys.stderr)
+        return 2
     result = compare(drawn["plain"]["samples"], drawn["spec"]["samples"], args.positions, args.alpha, args.bias,
                      args.min_shift)
     counters = drawn["spec"]["counters"]
     drafted, accepted = counters["drafted"], counters["accepted"]
     sizes = sorted({len(v) for v in drawn["spec"]["samples"].values()})
-    result.update(spec=drawn["spec"].get("spec") or json.loads(args.spec), samples=sizes[0] if len(sizes) == 1 else sizes,
+    result.update(spec=drawn["spec"].get("spec"), samples=sizes[0] if len(sizes) == 1 else sizes,
                   prompts=len(drawn["spec"]["samples"]), positions=args.positions,
                   alpha=args.alpha, bias=args.bias, min_shift=args.min_shift, counters=counters, drafted=drafted, accepted=accepted,
                   exercised=drafted > 0 and accepted > 0)

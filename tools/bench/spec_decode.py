@@ -1,4 +1,4 @@
-"""Bench phase `specdecode`: the rollout's decode with and without speculation, against the drafts' acceptance.
+"""The decode bench: the rollout's decode with and without speculation, against the drafts' acceptance.
 
     python -m tools.bench.spec_decode [--model random|echo] [--batches 32 8 1] [--tokens 1024] [--temperatures ...]
         [--spec '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}']
@@ -12,10 +12,9 @@ new tokens (EOS ignored, per-request seeds).
 
 Two models of the same compute per token:
 
-- `random` (default; opd_patches/embedded/r1_arch.py, seed 0): random weights propose almost no drafts at any
-  temperature tried, down to T = 0.02 (a low temperature makes each choice near-greedy, not repetitive), so
-  ngram is an idle proposer and the speculative rows are the cost of speculating at zero acceptance.
-  Default T: 1, 0.25, 0.1, 0.05.
+- `random` (default; opd_patches/embedded/r1_arch.py, seed 0): random weights propose almost no drafts, at low
+  temperatures too (a low temperature makes each choice near-greedy, not repetitive), so ngram is an idle
+  proposer and the speculative rows are the cost of speculating at zero acceptance. Default T: 1.
 - `echo` (tools/bench/echo_model.py, written from `random`): the same weights with every layer's output
   projections zero and lm_head a copy of the embedding, so the model repeats its last token with a probability
   r(T) and otherwise jumps to an almost uniformly drawn other token. The shapes, dtypes and kernels are those of
@@ -25,10 +24,10 @@ Two models of the same compute per token:
   verification step of 1 + r + r^2 + r^3 + r^4. Drafts are shorter while the current run is short (a run of L
   tokens matches its last n = min(4, L - 1) and drafts min(k, L - n): nothing before L = 3, four from L = 8),
   so vLLM's mean accepted length lies below that sum, and the share of steps that speculate grows with r.
-  Default T: 4, 2.55, 2.3, 2.05, 1, where r is about 0.01, 0.5, 0.8, 0.95 and 1 on the seed-0 model
-  (`echo_model.repeat_probability`; each echo row records its r as `repeat_p`). r(T) rests on the embedding's
-  scale (initializer range 0.02, hidden 1536), not on the draw: the own logit is about 0.02 x 1536, the others
-  spread by about 0.02 x sqrt(1536).
+  The default temperatures span r from near 0 to near 1 (`echo_model.repeat_probability` computes r(T) from
+  the checkpoint; each echo row records its r as `repeat_p`, the mean over tokens drawn uniformly, which runs
+  that dwell on a token weight a little differently). r(T) rests on the embedding's scale (initializer range,
+  hidden size), not on the draw.
 
 Each row: the seconds, ms per output token of one sequence (an engine step without speculation), the engine's
 start-up, and from vLLM's counters the drafts, drafted and accepted tokens and the mean accepted length
@@ -54,7 +53,7 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
 COMPILE = {"rollout": {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}, "default": None,
            "full": {"mode": 3, "cudagraph_mode": "FULL"}, "piecewise": {"mode": 3, "cudagraph_mode": "PIECEWISE"}}
 # echo: from almost no repeats to almost only repeats (r(T) in the module docstring)
-TEMPERATURES = {"random": [1.0, 0.25, 0.1, 0.05], "echo": [4.0, 2.55, 2.3, 2.05, 1.0]}
+TEMPERATURES = {"random": [1.0], "echo": [4.0, 2.55, 2.3, 2.05, 1.0]}
 
 
 def counters(llm) -> dict[str, float]:
@@ -164,7 +163,7 @@ def run_phase(args) -> dict:
         notes.append("echo: repeat_p = r(T), the chance of repeating the last token, which each drafted repeat is "
                      "accepted with; a full draft of 4 gives an accepted length of 1 + r + r^2 + r^3 + r^4")
     else:
-        notes.append("random weights: almost no drafts at any temperature, the cost of speculating at zero acceptance")
+        notes.append("random: each speculative row costs speculating at the acceptance its drafted and accepted counts show")
     return {"size": "full", "model": model, "rows": pair_rows(rows, compile_name), "spec": json.loads(spec),
             "compile": compile_name, "notes": notes}
 
@@ -191,7 +190,9 @@ def main(argv=None) -> int:
     from tools.bench import results
 
     entry = run_phase(a)
-    results.report(a.out, "specdecode", entry)
+    # one phase per model and compilation: a later run into the same file keeps the others' rows
+    name = "-".join(["specdecode", a.compile, *([] if a.model == "random" else [a.model])])
+    results.report(a.out, name, entry)
     return 0
 
 
