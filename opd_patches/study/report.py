@@ -89,19 +89,19 @@ def build(spec, plans, jobs: list, job_results: dict) -> dict:
                 "n_questions": p["n_questions"], "teacher_kl": _kl(job.out).get("teacher_kl"), "results": res}
             continue
         g = groups.setdefault((job.suite, job.label), {})
-        kl = _kl(job.out)
-        g.setdefault(job.plan.arm, {})[job.plan.seed] = (res, job.step, kl.get("teacher_kl"), kl.get("per_question"))
+        g.setdefault(job.plan.arm, {})[job.plan.seed] = {"results": res, "step": job.step, "kl": _kl(job.out)}
     out_groups = []
     arm_order = [a.name for a in spec.arms]
     for (suite, label), by_arm in groups.items():
         arms = {}
         for arm in arm_order:
             if arm in by_arm:
-                block = arm_block({s: r for s, (r, _, _, _) in by_arm[arm].items()})
-                block["steps"] = {str(s): st for s, (_, st, _, _) in by_arm[arm].items()}
-                kls = [k for (_, _, k, _) in by_arm[arm].values() if k is not None]
+                seeds = by_arm[arm]
+                block = arm_block({s: e["results"] for s, e in seeds.items()})
+                block["steps"] = {str(s): e["step"] for s, e in seeds.items()}
+                kls = [e["kl"]["teacher_kl"] for e in seeds.values() if e["kl"].get("teacher_kl") is not None]
                 block["teacher_kl"] = sum(kls) / len(kls) if kls else None
-                seeds_kl = [k for (_, _, _, k) in by_arm[arm].values() if k]
+                seeds_kl = [e["kl"]["per_question"] for e in seeds.values() if e["kl"].get("per_question")]
                 shared = set.intersection(*(set(k) for k in seeds_kl)) if seeds_kl else set()
                 # {question: [each seed's mean]} on the questions every seed with values covers, as for pass@1
                 block["teacher_kl_per_question"] = {q: [k[q] for k in seeds_kl] for q in sorted(shared)} or None
