@@ -159,3 +159,21 @@ def test_specdecode_rows_pair_each_speculative_run_with_the_plain_one():
     assert by["specdecode/rollout/spec/b8/T0.1"]["ratio"] == 0.5 and by["specdecode/rollout/spec/b8/T0.1"]["ref_time_s"] == 3.0
     assert by["specdecode/rollout/plain/b8/T0.1"]["ratio"] is None
     assert by["specdecode/rollout/plain/b32/T1"]["tok_per_s"] == 32 * 1024 / 4.0
+
+
+def test_step_rows_carry_a_speculating_rollouts_acceptance(tmp_path):
+    """tools/bench/step.py (GPU with a speculative_config): each step's row keeps the trainer's rollout/spec_*
+    figures beside its timings; a step without them (no speculation) has none."""
+    from tools.bench.step import step_rows
+
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("\n".join(json.dumps(e) for e in [
+        {"step": 1, "data": {"timing_s/step": 30.0, "timing_s/gen": 20.0, "rollout/spec_drafted_tokens": 400.0,
+                             "rollout/spec_accepted_tokens": 100.0, "rollout/spec_engine_accept_rate": 0.25}},
+        {"step": 2, "data": {"timing_s/step": 31.0, "timing_s/gen": 21.0}},
+        {"step": 2, "data": {"val-core/x": 0.5}},  # no timings: not a step row
+    ]))
+    rows = step_rows(metrics)
+    assert [r["step"] for r in rows] == [1, 2]
+    assert rows[0]["rollout/spec_drafted_tokens"] == 400.0 and rows[0]["rollout/spec_engine_accept_rate"] == 0.25
+    assert rows[0]["timing_s/gen"] == 20.0 and not any(k.startswith("rollout/spec_") for k in rows[1])

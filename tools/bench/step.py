@@ -7,8 +7,8 @@
 Builds random-weight R1-Distill-Qwen-1.5B-architecture student (seed 0) and teacher (seed 1) with
 opd_patches/embedded/r1_arch.py, runs `run.sh recipe=R` on the embedded prompts (the colocated
 teacher by default; extra Hydra overrides with --override), and reports per step VERL's `timing_s/*`
-phases, response lengths and the actor's peak memory (from `<run>/metrics.jsonl`), the device's peak
-memory over the whole run (nvidia-smi, sampled periodically: vLLM's KV cache included) with each
+phases, response lengths, a speculating rollout's drafts and acceptance (`rollout/spec_*`) and the actor's
+peak memory (from `<run>/metrics.jsonl`), the device's peak memory over the whole run (nvidia-smi, sampled periodically: vLLM's KV cache included) with each
 process's own peak (which of the trainer's processes holds what; the models are drawn in a child
 process, so this driver holds none), and start-up
 time (launch to the end of step 1, minus step 1). One save, after step `--save-after` (default 1; 0: none)
@@ -106,6 +106,8 @@ def step_rows(metrics_file: Path) -> list[dict]:
                   "actor/perf/max_memory_allocated_gb", "actor/perf/max_memory_reserved_gb", "perf/throughput"):
             if k in data:
                 row[k] = round(float(data[k]), 3)
+        # with a speculative_config, the step's drafts and acceptance (opd_patches/rollout/spec_metrics.py)
+        row.update({k: round(float(v), 4) for k, v in data.items() if k.startswith("rollout/spec_")})
         rows.append(row)
     return rows
 
