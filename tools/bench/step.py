@@ -8,8 +8,8 @@ Builds random-weight R1-Distill-Qwen-1.5B-architecture student (seed 0) and teac
 opd_patches/embedded/r1_arch.py, runs `run.sh recipe=R` on the embedded prompts (the colocated
 teacher by default; extra Hydra overrides with --override), and reports per step VERL's `timing_s/*`
 phases, response lengths, a speculating rollout's drafts and acceptance (`rollout/spec_*`) and the actor's
-peak memory (from `<run>/metrics.jsonl`), the device's peak memory over the whole run (nvidia-smi, sampled periodically: vLLM's KV cache included) with each
-process's own peak (which of the trainer's processes holds what; the models are drawn in a child
+peak memory (from `<run>/metrics.jsonl`), the device's peak memory over the whole run (nvidia-smi, sampled
+periodically: vLLM's KV cache included) with each process's own peak (which of the trainer's processes holds what; the models are drawn in a child
 process, so this driver holds none), and start-up
 time (launch to the end of step 1, minus step 1). One save, after step `--save-after` (default 1; 0: none)
 and not at the end, so that the save's stall on training shows in a step that another follows
