@@ -5,18 +5,18 @@
         (make bench PHASE=step RECIPE=topk; RECIPE="k1 topk" GPUS="0 1": both at once, one GPU each)
 
 Builds random-weight R1-Distill-Qwen-1.5B-architecture student (seed 0) and teacher (seed 1) with
-opd_patches/embedded/r1_arch.py, runs `run.sh recipe=R` on the embedded prompts (the colocated
-teacher by default; extra Hydra overrides with --override), and reports per step VERL's `timing_s/*`
-phases, response lengths, a speculating rollout's drafts and acceptance (`rollout/spec_*`) and the actor's
-peak memory (from `<run>/metrics.jsonl`), the device's peak memory over the whole run (nvidia-smi, sampled
-periodically: vLLM's KV cache included) with each process's own peak (which of the trainer's processes holds what; the models are drawn in a child
-process, so this driver holds none), and start-up
-time (launch to the end of step 1, minus step 1). One save, after step `--save-after` (default 1; 0: none)
-and not at the end, so that the save's stall on training shows in a step that another follows
-(`timing_s/save_checkpoint`: what the trainer waited; the state's export, validation and hashing run in
-the background) while the host's disk holds one 1.5B state only. With `--rollout hf` responses are capped at 512
-tokens at the full size (HF decoding is far slower than vLLM). `--size cpu` runs the tiny embedded
-models with the smoke overlay's lengths instead (a check of this phase on a CPU). Results merge into the bench JSON's `step` phase, per recipe.
+opd_patches/embedded/r1_arch.py, runs `run.sh recipe=R` on the embedded prompts (the colocated teacher by default;
+extra Hydra overrides with --override), and reports per step VERL's `timing_s/*` phases, response lengths, a
+speculating rollout's drafts and acceptance (`rollout/spec_*`) and the actor's peak memory (from
+`<run>/metrics.jsonl`), the device's peak memory over the whole run (nvidia-smi, sampled periodically: vLLM's KV
+cache included) with each process's own peak (which of the trainer's processes holds what; the models are drawn in
+a child process, so this driver holds none), and start-up time (launch to the end of step 1, minus step 1). One
+save, after step `--save-after` (default 1; 0: none) and not at the end, so that the save's stall on training shows
+in a step that another follows (`timing_s/save_checkpoint`: what the trainer waited; the state's export, validation
+and hashing run in the background) while the host's disk holds one 1.5B state only. With `--rollout hf` responses
+are capped at 512 tokens at the full size (HF decoding is far slower than vLLM). `--size cpu` runs the tiny
+embedded models with the smoke overlay's lengths instead (a check of this phase on a CPU). Results merge into the
+bench JSON's `step` phase, per recipe.
 """
 
 from __future__ import annotations
