@@ -3,20 +3,22 @@
     python -m tools.bench.echo_model --src DIR --out DIR [--temperatures 2 3 4]
 
 Every decoder layer's attention output projection (`self_attn.o_proj`, weight and any bias) and MLP output
-projection (`mlp.down_proj`) are zero, and `lm_head.weight` is a copy of `model.embed_tokens.weight` (a real
-copy: `tie_word_embeddings` stays as it was). Each layer then adds nothing to the residual stream, so the last
+projection (`mlp.down_proj`) are zero, and `lm_head.weight` is `model.embed_tokens.weight` times SCALE (its own
+matrix: `tie_word_embeddings` stays as it was). Each layer then adds nothing to the residual stream, so the last
 hidden state is the final RMSNorm of the current token's own embedding e_x, and the logit of token y is
-(g * e_x / rms(e_x)) . e_y. With unit norm weights g that is sqrt(hidden) * |e_x| for y = x, the largest,
-against a spread of about |e_y| for the others (a factor of sqrt(hidden) less, for random embeddings).
+SCALE * (g * e_x / rms(e_x)) . e_y. With unit norm weights g that is SCALE * sqrt(hidden) * |e_x| for y = x, the
+largest, against a spread of about SCALE * |e_y| for the others (a factor of sqrt(hidden) less, for random
+embeddings). SCALE (one half, exact in any float format) puts the temperatures that span r from near 0 to near 1
+inside the range vLLM accepts ([0, 2]); sampling at T with SCALE is sampling the unscaled copy at T / SCALE.
 Sampled at temperature T, the model repeats its last token with a probability r(T) and otherwise jumps to an
 almost uniformly drawn other token: runs of one token of geometric length, which a draft-free proposer (vLLM's
 `ngram`) drafts from, each drafted repeat being accepted with probability r(T). The compute per token is
 unchanged: the same shapes, dtypes and kernels run as in the source model (a matrix of zeros costs what a
 random one costs), so a decode step's time is the source's.
 
-`repeat_probability` computes r(T) from the checkpoint alone, in the engine's precision (the normed hidden
-state and the logits rounded to the weights' dtype): the mean over a uniform sample of tokens of
-softmax(logits / T) at the token itself.
+`repeat_probability` computes r(T) from the echo checkpoint alone (its embedding, final norm and lm_head), in
+the engine's precision (the normed hidden state and the logits rounded to the weights' dtype): the mean over a
+uniform sample of tokens of softmax(logits / T) at the token itself.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from pathlib import Path
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 EMBED, LM_HEAD, FINAL_NORM = "model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"
+SCALE = 0.5
 ZEROED = re.compile(r"model\.layers\.\d+\.(self_attn\.o_proj\.(weight|bias)|mlp\.down_proj\.weight)")
 
 
@@ -72,8 +75,9 @@ def write_echo(src: Path, out: Path) -> Path:
     shards = weight_map(src)
     if EMBED not in shards:
         raise KeyError(f"{src}: no {EMBED}")
-    if LM_HEAD not in shards and not config.get("tie_word_embeddings", False):
-        raise KeyError(f"{src}: untied embeddings but no {LM_HEAD}")
+    if LM_HEAD not in shards or config.get("tie_word_embeddings", False):
+        raise KeyError(f"{src}: no {LM_HEAD} of its own (tied embeddings): the echo's lm_head is a scaled copy, "
+                       "which needs an untied checkpoint such as opd_patches/embedded/r1_arch.py's")
     embed = read_tensor(src, EMBED, shards)
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -90,7 +94,7 @@ def write_echo(src: Path, out: Path) -> Path:
             elif name == LM_HEAD:
                 if tensor.shape != embed.shape:
                     raise ValueError(f"{src}: {LM_HEAD} {tuple(tensor.shape)} != {EMBED} {tuple(embed.shape)}")
-                tensors[name] = embed.to(tensor.dtype).clone()  # its own storage: the file holds two matrices
+                tensors[name] = (embed * SCALE).to(tensor.dtype)  # its own storage: the file holds two matrices
         save_file(tensors, str(tmp / shard), metadata=metadata)
     # Both output projections of every layer, else the residual stream would still mix in other tokens.
     outputs = ("self_attn.o_proj.weight", "mlp.down_proj.weight")
@@ -108,9 +112,9 @@ def write_echo(src: Path, out: Path) -> Path:
 
 def repeat_probability(folder: Path, temperatures, rows: int = 2048, seed: int = 0,
                        chunk: int = 256) -> dict[float, float]:
-    """r(T) of the echo copy of the checkpoint in `folder` (the copy or its source alike: only the embedding, the
-    final norm and the config are read): the probability, averaged over `rows` uniformly drawn tokens x, that
-    sampling at temperature T after x gives x again."""
+    """r(T) of the echo copy in `folder` (write_echo's output: its embedding, final norm, lm_head and config are
+    read): the probability, averaged over `rows` uniformly drawn tokens x, that sampling at temperature T after x
+    gives x again."""
     import torch
 
     folder = Path(folder)
@@ -119,6 +123,7 @@ def repeat_probability(folder: Path, temperatures, rows: int = 2048, seed: int =
     shards = weight_map(folder)
     embed = read_tensor(folder, EMBED, shards)
     gain = read_tensor(folder, FINAL_NORM, shards).float()
+    head = read_tensor(folder, LM_HEAD, shards).float()
     dtype, table = embed.dtype, embed.float()
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randperm(table.shape[0], generator=gen)[:rows]
@@ -127,7 +132,7 @@ def repeat_probability(folder: Path, temperatures, rows: int = 2048, seed: int =
         e = table[part]
         # as the engine runs it: norm and logits in float32, each rounded to the weights' dtype
         hidden = (e * torch.rsqrt(e.pow(2).mean(-1, keepdim=True) + eps) * gain).to(dtype).float()
-        logits = (hidden @ table.T).to(dtype).float()
+        logits = (hidden @ head.T).to(dtype).float()
         own = logits.gather(1, part[:, None]).squeeze(1)
         for t in sums:
             sums[t] += torch.exp(own / t - torch.logsumexp(logits / t, dim=1)).sum().item()

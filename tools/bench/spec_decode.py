@@ -16,7 +16,7 @@ Two models of the same compute per token:
   temperatures too (a low temperature makes each choice near-greedy, not repetitive), so ngram is an idle
   proposer and the speculative rows are the cost of speculating at zero acceptance. Default T: 1.
 - `echo` (tools/bench/echo_model.py, written from `random`): the same weights with every layer's output
-  projections zero and lm_head a copy of the embedding, so the model repeats its last token with a probability
+  projections zero and lm_head a scaled copy of the embedding, so the model repeats its last token with a probability
   r(T) and otherwise jumps to an almost uniformly drawn other token. The shapes, dtypes and kernels are those of
   `random` (zeros cost what random weights cost): a step's compute is unchanged and the temperature sets the
   acceptance. Every ngram draft repeats the current token (the earliest match of the run's suffix lies inside
@@ -24,8 +24,8 @@ Two models of the same compute per token:
   verification step of 1 + r + r^2 + r^3 + r^4. Drafts are shorter while the current run is short (a run of L
   tokens matches its last n = min(4, L - 1) and drafts min(k, L - n): nothing before L = 3, four from L = 8),
   so vLLM's mean accepted length lies below that sum, and the share of steps that speculate grows with r.
-  The default temperatures span r from near 0 to near 1 (`echo_model.repeat_probability` computes r(T) from
-  the checkpoint; each echo row records its r as `repeat_p`, the mean over tokens drawn uniformly, which runs
+  The default temperatures span r from near 0 to near 1 within vLLM's range of temperatures, the rollout's
+  T = 1 among them (`echo_model.repeat_probability` computes r(T) from the checkpoint; each echo row records its r as `repeat_p`, the mean over tokens drawn uniformly, which runs
   that dwell on a token weight a little differently). r(T) rests on the embedding's scale (initializer range,
   hidden size), not on the draw.
 
@@ -53,7 +53,7 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
 COMPILE = {"rollout": {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}, "default": None,
            "full": {"mode": 3, "cudagraph_mode": "FULL"}, "piecewise": {"mode": 3, "cudagraph_mode": "PIECEWISE"}}
 # echo: from almost no repeats to almost only repeats (r(T) in the module docstring)
-TEMPERATURES = {"random": [1.0], "echo": [4.0, 2.55, 2.3, 2.05, 1.0]}
+TEMPERATURES = {"random": [1.0], "echo": [2.0, 1.3, 1.15, 1.0, 0.5]}
 
 
 def counters(llm) -> dict[str, float]:
@@ -135,15 +135,29 @@ def model_folder(workdir: Path, model: str) -> Path:
     return folder
 
 
+def check_temperatures(temperatures) -> None:
+    """Refused before any engine starts: a temperature the installed vLLM's sampling parameters do not accept."""
+    try:
+        from vllm import SamplingParams
+    except ImportError:  # no vLLM here: nothing to check against, and no engine will start
+        return
+    for t in temperatures:
+        try:
+            SamplingParams(temperature=t)
+        except ValueError as exc:
+            raise SystemExit(f"[bench specdecode] --temperatures {t:g}: {exc}") from None
+
+
 def run_phase(args) -> dict:
     workdir = Path(getattr(args, "workdir", None) or REPO / ".cache" / "bench")
     model = getattr(args, "model", None) or "random"
+    temperatures = getattr(args, "temperatures", None) or TEMPERATURES[model]
+    check_temperatures(temperatures)
     folder = model_folder(workdir, model)
     spec = getattr(args, "spec", None) or json.dumps(NGRAM)
     compile_name = getattr(args, "compile", None) or "rollout"
     batches = getattr(args, "batches", None) or [32, 8, 1]
     tokens = getattr(args, "tokens", None) or 1024
-    temperatures = getattr(args, "temperatures", None) or TEMPERATURES[model]
     rows = []
     for engine in ("plain", "spec"):
         out = workdir / f"specdecode-{model}-{engine}.json"
