@@ -1,6 +1,6 @@
 """The echo model: a copy of a Qwen2 checkpoint that repeats its last token with a probability set by the temperature.
 
-    python -m tools.bench.echo_model --src DIR --out DIR [--temperatures 2 3 4]
+    python -m tools.bench.echo_model --src DIR --out DIR [--temperatures 2 1 0.5]
 
 Every decoder layer's attention output projection (`self_attn.o_proj`, weight and any bias) and MLP output
 projection (`mlp.down_proj`) are zero, and `lm_head.weight` is `model.embed_tokens.weight` times SCALE (its own
