@@ -4,7 +4,7 @@
 
 Every decoder layer's attention output projection (`self_attn.o_proj`, weight and any bias) and MLP output
 projection (`mlp.down_proj`) are zero, and `lm_head.weight` is `model.embed_tokens.weight` times SCALE (its own
-matrix: `tie_word_embeddings` stays as it was). Each layer then adds nothing to the residual stream, so the last
+matrix: the source must be untied). Each layer then adds nothing to the residual stream, so the last
 hidden state is the final RMSNorm of the current token's own embedding e_x, and the logit of token y is
 SCALE * (g * e_x / rms(e_x)) . e_y. With unit norm weights g that is SCALE * sqrt(hidden) * |e_x| for y = x, the
 largest, against a spread of about SCALE * |e_y| for the others (a factor of sqrt(hidden) less, for random

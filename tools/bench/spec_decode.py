@@ -15,19 +15,19 @@ Two models of the same compute per token:
 - `random` (default; opd_patches/embedded/r1_arch.py, seed 0): random weights propose almost no drafts, at low
   temperatures too (a low temperature makes each choice near-greedy, not repetitive), so ngram is an idle
   proposer and the speculative rows are the cost of speculating at zero acceptance. Default T: 1.
-- `echo` (tools/bench/echo_model.py, written from `random`): the same weights with every layer's output
-  projections zero and lm_head a scaled copy of the embedding, so the model repeats its last token with a probability
-  r(T) and otherwise jumps to an almost uniformly drawn other token. The shapes, dtypes and kernels are those of
+- `echo` (tools/bench/echo_model.py, written from `random`): the same weights with every layer's output projections
+  zero and lm_head a scaled copy of the embedding, so the model repeats its last token with a probability r(T)
+  and otherwise jumps to an almost uniformly drawn other token. The shapes, dtypes and kernels are those of
   `random` (zeros cost what random weights cost): a step's compute is unchanged and the temperature sets the
-  acceptance. Every ngram draft repeats the current token (the earliest match of the run's suffix lies inside
-  the run) and is accepted with probability r, so a full draft of k = 4 tokens gives a mean accepted length per
+  acceptance. Every ngram draft repeats the current token (the earliest match of the run's suffix lies inside the
+  run) and is accepted with probability r, so a full draft of k = 4 tokens gives a mean accepted length per
   verification step of 1 + r + r^2 + r^3 + r^4. Drafts are shorter while the current run is short (a run of L
-  tokens matches its last n = min(4, L - 1) and drafts min(k, L - n): nothing before L = 3, four from L = 8),
-  so vLLM's mean accepted length lies below that sum, and the share of steps that speculate grows with r.
-  The default temperatures span r from near 0 to near 1 within vLLM's range of temperatures, the rollout's
-  T = 1 among them (`echo_model.repeat_probability` computes r(T) from the checkpoint; each echo row records its r as `repeat_p`, the mean over tokens drawn uniformly, which runs
-  that dwell on a token weight a little differently). r(T) rests on the embedding's scale (initializer range,
-  hidden size), not on the draw.
+  tokens matches its last n = min(4, L - 1) and drafts min(k, L - n): nothing before L = 3, four from L = 8), so
+  vLLM's mean accepted length lies below that sum, and the share of steps that speculate grows with r. The
+  default temperatures span r from near 0 to near 1 within vLLM's range of temperatures, the rollout's T = 1
+  among them (`echo_model.repeat_probability` computes r(T) from the checkpoint; each echo row records its r as
+  `repeat_p`, the mean over tokens drawn uniformly, which runs that dwell on a token weight a little
+  differently). r(T) rests on the embedding's scale (initializer range, hidden size), not on the draw.
 
 Each row: the seconds, ms per output token of one sequence (an engine step without speculation), the engine's
 start-up, and from vLLM's counters the drafts, drafted and accepted tokens and the mean accepted length
@@ -128,7 +128,7 @@ def model_folder(workdir: Path, model: str) -> Path:
     if model == "echo":
         from tools.bench import echo_model
 
-        echo = workdir / "r1_arch" / "echo0"
+        echo = workdir / "r1_arch" / f"echo0-scale{echo_model.SCALE:g}"  # a copy written at another scale is not reused
         if not echo.exists():
             echo_model.write_echo(folder, echo)
         folder = echo
