@@ -76,7 +76,7 @@ def write_echo(src: Path, out: Path) -> Path:
     if EMBED not in shards:
         raise KeyError(f"{src}: no {EMBED}")
     if LM_HEAD not in shards or config.get("tie_word_embeddings", False):
-        raise KeyError(f"{src}: no {LM_HEAD} of its own (tied embeddings): the echo's lm_head is a scaled copy, "
+        raise KeyError(f"{src}: no {LM_HEAD} of its own (tied or missing): the echo's lm_head is a scaled copy, "
                        "which needs an untied checkpoint such as opd_patches/embedded/r1_arch.py's")
     embed = read_tensor(src, EMBED, shards)
     tmp = out.with_name(out.name + ".tmp")

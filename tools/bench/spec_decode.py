@@ -27,7 +27,8 @@ Two models of the same compute per token:
   default temperatures span r from near 0 to near 1 within vLLM's range of temperatures, the rollout's T = 1
   among them (`echo_model.repeat_probability` computes r(T) from the checkpoint; each echo row records its r as
   `repeat_p`, the mean over tokens drawn uniformly, which runs that dwell on a token weight a little
-  differently). r(T) rests on the embedding's scale (initializer range, hidden size), not on the draw.
+  differently). r(T) rests on the embedding's scale (initializer range, hidden size) and the lm_head's SCALE, not on
+  the draw.
 
 Each row: the seconds, ms per output token of one sequence (an engine step without speculation), the engine's
 start-up, and from vLLM's counters the drafts, drafted and accepted tokens and the mean accepted length
