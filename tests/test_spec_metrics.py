@@ -81,6 +81,17 @@ def test_an_unreachable_server_gives_no_figures(servers):
     assert spec_metrics.step_metrics(None, spec_metrics.read([servers[0].address])) == {}
 
 
+def test_a_page_without_the_counters_gives_no_figures(servers):
+    """A server whose engine does not speculate serves no spec-decode counters: no figures, not zero drafts."""
+    plain = Server()
+    plain.registry.unregister(plain.counters["drafted"])
+    try:
+        assert spec_metrics.read([servers[0].address]) is not None
+        assert spec_metrics.read([servers[0].address, plain.address]) is None
+    finally:
+        plain.http.shutdown()
+
+
 def test_a_speculative_config_makes_the_engine_log_its_statistics():
     base = ("actor_rollout_ref.model.path=/m/s", "distillation.teacher_models.teacher_model.model_path=/m/t",
             "data.train_files=/d/t.parquet", "data.val_files=/d/v.parquet", "+device=cpu")

@@ -86,6 +86,18 @@ def test_a_batch_size_schedule_under_the_rollouts_mode_0_is_refused_and_allowed_
     assert speculation.check(compose(NGRAM, device="gpu"))["method"] == "ngram"  # no schedule: mode 0 is fine
 
 
+def test_ngram_gpu_under_the_rollouts_mode_0_is_refused_and_allowed_under_mode_3(monkeypatch):
+    """vLLM 0.24's ngram_gpu proposer compiles its kernel under the engine's compilation mode; mode 0 has none."""
+    monkeypatch.setattr(speculation, "installed_methods", lambda: ("0.24.0", {"ngram", "ngram_gpu"}))
+    gpu = NGRAM.replace("ngram", "ngram_gpu", 1)
+    with pytest.raises(InputError, match=r"method 'ngram_gpu' compiles its matching kernel.*under mode 0.*fails at "
+                                         r"start \('No compilation mode is set.'\): add actor_rollout_ref.rollout."
+                                         r"engine_kwargs.vllm.compilation_config.mode=3, or use method ngram$"):
+        speculation.check(compose(gpu, device="gpu"))
+    for mode in ("3", "VLLM_COMPILE"):
+        assert speculation.check(compose(gpu, f"{speculation.COMPILATION}.mode={mode}", device="gpu"))["method"] == "ngram_gpu"
+
+
 def test_run_sh_refuses_the_override_on_a_cpu_in_one_line_before_ray(tmp_path, embedded):
     """The README's override on a CPU run: exit 2, one line naming the key, Ray never started."""
     ray_tmp = tmp_path / "ray"

@@ -11,7 +11,11 @@ with a method, a method the installed vLLM does not know, `suffix` without arcti
 package vLLM's suffix proposer imports), and vLLM's batch-size schedule (`num_speculative_tokens_per_batch_size`,
 speculation only while few sequences remain) under a compilation mode other than VLLM_COMPILE (3): vLLM turns
 full CUDA graphs into piecewise ones for a schedule, and piecewise graphs exist only under that mode, so under
-the rollout's mode 0 every step, speculative or not, would run without CUDA graphs.
+the rollout's mode 0 every step, speculative or not, would run without CUDA graphs. Also refused: `ngram_gpu`
+under mode 0. vLLM 0.24's GPU proposer gives its matching kernel a VLLM_COMPILE config of its own, but the
+torch.compile wrapper reads the engine's config (`NgramGPUKernel` in vllm/v1/spec_decode/ngram_proposer_gpu.py,
+`TorchCompileWithNoGuardsWrapper` in vllm/compilation/wrapper.py), whose mode 0 has no backend, so the engine
+fails at start.
 """
 
 from __future__ import annotations
@@ -78,8 +82,12 @@ def check(config: DictConfig) -> dict | None:
         raise InputError(f"{KEY}: method 'suffix' needs arctic-inference, which vLLM's suffix proposer imports "
                          "(pip install arctic-inference==0.1.1, the version vLLM 0.24 names; installed, it also "
                          "patches vLLM through its plugin in every run)")
+    mode = compilation_mode(OmegaConf.select(config, COMPILATION, default=None))
+    if method == "ngram_gpu" and mode in (0, "NONE"):
+        raise InputError(f"{KEY}: method 'ngram_gpu' compiles its matching kernel with the engine's compilation "
+                         f"mode, and under mode 0 (this run's {COMPILATION}.mode) vLLM's engine fails at start "
+                         f"('No compilation mode is set.'): add {COMPILATION}.mode={VLLM_COMPILE}, or use method ngram")
     if spec.get("num_speculative_tokens_per_batch_size") is not None:
-        mode = compilation_mode(OmegaConf.select(config, COMPILATION, default=None))
         if mode is not None and mode not in (VLLM_COMPILE, "VLLM_COMPILE"):
             raise InputError(f"{KEY}: num_speculative_tokens_per_batch_size makes vLLM use piecewise CUDA graphs, "
                              f"which need its compilation mode {VLLM_COMPILE} (VLLM_COMPILE, torch.compile); this "

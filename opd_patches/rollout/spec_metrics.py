@@ -36,10 +36,16 @@ def totals(samples) -> dict[str, float]:
 
 
 def parse(text: str) -> dict[str, float]:
-    """The counters' totals from a Prometheus text exposition (a server's /metrics)."""
+    """The counters' totals from a Prometheus text exposition (a server's /metrics). A speculating engine exposes
+    its counters at 0 from its start, so a page without them (an engine that does not speculate, or counters
+    renamed upstream) raises ValueError rather than passing for a step without drafts."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    return totals((s.name, s.value) for family in text_string_to_metric_families(text) for s in family.samples)
+    samples = [(s.name, s.value) for family in text_string_to_metric_families(text) for s in family.samples]
+    missing = set(COUNTERS.values()) - {name.removesuffix("_total") for name, _ in samples}
+    if missing:
+        raise ValueError(f"no {', '.join(sorted(missing))} on the page")
+    return totals(samples)
 
 
 # The servers are this cluster's own: a proxy from the environment must not stand in between.
@@ -48,7 +54,7 @@ _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 def read(addresses: list[str], timeout_s: float = 5.0) -> dict[str, float] | None:
     """The counters summed over the servers at `addresses` ("host:port"); None when one cannot be read or
-    parsed (the step then logs no speculation figures; training goes on)."""
+    parsed or lacks the counters (the step then logs no speculation figures; training goes on)."""
     totals = dict.fromkeys(COUNTERS, 0.0)
     for address in addresses:
         try:
