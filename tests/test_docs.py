@@ -109,6 +109,8 @@ def problems(line: str, targets: set[str], compose=None) -> list[str]:
     except ValueError as exc:
         return [f"{line!r}: not a shell command ({exc})"]
     found = []
+    # A GPU-only line names its device as the launcher reads it (`DEVICE=gpu ./run.sh ...`); else the CPU's.
+    device = next((w.split("=", 1)[1] for w in _words(line) if w.startswith("DEVICE=")), "cpu")
     for words in parts:
         for w in words:
             value = w.split("=", 1)[-1]
@@ -131,7 +133,7 @@ def problems(line: str, targets: set[str], compose=None) -> list[str]:
                 found.append(f"{line!r}: no recipe {recipe!r}")
             elif compose is not None:
                 try:
-                    compose(recipe, *overrides)
+                    compose(recipe, *overrides, device=device)
                 except Exception as exc:  # noqa: BLE001  (Hydra's errors name the override)
                     found.append(f"{line!r}: does not compose: {str(exc).splitlines()[0]}")
         if "-m" in words[:-1]:
@@ -143,13 +145,13 @@ def problems(line: str, targets: set[str], compose=None) -> list[str]:
     return found
 
 
-def _compose(recipe, *overrides):
+def _compose(recipe, *overrides, device="cpu"):
     import composed
 
     return composed.compose_recipe(recipe, "actor_rollout_ref.model.path=/models/student",
                                    "distillation.teacher_models.teacher_model.model_path=/models/teacher",
                                    "data.train_files=/data/train.parquet", "data.val_files=/data/val.parquet",
-                                   "+device=cpu", *overrides)
+                                   f"+device={device}", *overrides)
 
 
 def slug(heading: str) -> str:
@@ -218,6 +220,9 @@ def test_the_checks_catch_mistakes(tmp_path):
                  "ssh cluster 'cd /data/opd && make install PROFILE=gpu WHEELHOUSE=/data/wh-gpu'",
                  "python -m opd_patches.eval --model M --suite embedded && make plot RUN=outputs/k1"):
         assert not problems(good, targets, _compose), good
+    gpu_key = "actor_rollout_ref.rollout.engine_kwargs.vllm.compilation_config.cudagraph_mode=FULL"  # GPU profile only
+    assert not problems(f"DEVICE=gpu ./run.sh recipe=topk {gpu_key}", targets, _compose)
+    assert "does not compose" in problems(f"./run.sh recipe=topk {gpu_key}", targets, _compose)[0]
     page = tmp_path / "page.md"
     (tmp_path / "there.md").write_text("# A heading: `with code`\n")
     bad = link_problems(page, "[a](missing.md) [b](there.md#a-heading-with-code) [c](there.md#nope) "
