@@ -282,6 +282,12 @@ def apply_speculation(config: DictConfig) -> None:
     print(f"[opd] speculative decoding: {OmegaConf.to_container(spec) if OmegaConf.is_config(spec) else spec}; "
           "actor_rollout_ref.rollout.disable_log_stats=false (the acceptance is logged per step as rollout/spec_*)",
           flush=True)
+    # Decode-only graphs serve a step only when every sequence verifies a full draft; the others run eager.
+    compilation = OmegaConf.select(config, speculation.COMPILATION, default=None)
+    if speculation.compilation_mode(compilation, "cudagraph_mode") == "FULL_DECODE_ONLY":
+        print(f"[opd] NOTE: {speculation.COMPILATION}.cudagraph_mode=FULL_DECODE_ONLY runs every rollout step "
+              f"without a full draft outside CUDA graphs; {speculation.COMPILATION}.cudagraph_mode=FULL serves "
+              "them too (docs/speculation.md)", flush=True)
 
 
 def apply_logging(config: DictConfig) -> None:

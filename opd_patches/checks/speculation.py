@@ -45,9 +45,10 @@ def installed_methods() -> tuple[str, set[str]] | None:
     return vllm.__version__, set(typing.get_args(SpeculativeMethod))  # nested Literals come flattened
 
 
-def compilation_mode(compilation):
-    """The `mode` of the rollout's compilation_config (a mapping, or the JSON string VERL also takes), upper-cased
-    where vLLM's name is given; None where unset (vLLM's default then: VLLM_COMPILE unless eager)."""
+def compilation_mode(compilation, key="mode"):
+    """The `mode` (or another `key`) of the rollout's compilation_config (a mapping, or the JSON string VERL also
+    takes), upper-cased where vLLM's name is given; None where unset (vLLM's default then: VLLM_COMPILE unless
+    eager; for `cudagraph_mode`, vLLM's choice for the mode)."""
     if isinstance(compilation, str):
         try:
             compilation = json.loads(compilation)
@@ -55,7 +56,7 @@ def compilation_mode(compilation):
             return None
     if OmegaConf.is_config(compilation):
         compilation = OmegaConf.to_container(compilation, resolve=True)
-    mode = compilation.get("mode") if isinstance(compilation, dict) else None
+    mode = compilation.get(key) if isinstance(compilation, dict) else None
     return mode.upper() if isinstance(mode, str) else mode
 
 
