@@ -284,7 +284,7 @@ def apply_speculation(config: DictConfig) -> None:
           flush=True)
     # Decode-only graphs serve a step only when every sequence verifies a full draft; the others run eager.
     compilation = OmegaConf.select(config, speculation.COMPILATION, default=None)
-    if speculation.compilation_mode(compilation, "cudagraph_mode") == "FULL_DECODE_ONLY":
+    if speculation.compilation_setting(compilation, "cudagraph_mode") == "FULL_DECODE_ONLY":
         print(f"[opd] NOTE: {speculation.COMPILATION}.cudagraph_mode=FULL_DECODE_ONLY runs every rollout step "
               f"without a full draft outside CUDA graphs; {speculation.COMPILATION}.cudagraph_mode=FULL serves "
               "them too (docs/speculation.md)", flush=True)

@@ -45,7 +45,7 @@ def installed_methods() -> tuple[str, set[str]] | None:
     return vllm.__version__, set(typing.get_args(SpeculativeMethod))  # nested Literals come flattened
 
 
-def compilation_mode(compilation, key="mode"):
+def compilation_setting(compilation, key="mode"):
     """The `mode` (or another `key`) of the rollout's compilation_config (a mapping, or the JSON string VERL also
     takes), upper-cased where vLLM's name is given; None where unset (vLLM's default then: VLLM_COMPILE unless
     eager; for `cudagraph_mode`, vLLM's choice for the mode)."""
@@ -83,7 +83,7 @@ def check(config: DictConfig) -> dict | None:
         raise InputError(f"{KEY}: method 'suffix' needs arctic-inference, which vLLM's suffix proposer imports "
                          "(pip install arctic-inference==0.1.1, the version vLLM 0.24 names; installed, it also "
                          "patches vLLM through its plugin in every run)")
-    mode = compilation_mode(OmegaConf.select(config, COMPILATION, default=None))
+    mode = compilation_setting(OmegaConf.select(config, COMPILATION, default=None))
     if method == "ngram_gpu" and mode in (0, "NONE"):
         raise InputError(f"{KEY}: method 'ngram_gpu' compiles its matching kernel with the engine's compilation "
                          f"mode, and under mode 0 (this run's {COMPILATION}.mode) vLLM's engine fails at start "
