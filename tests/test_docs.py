@@ -105,12 +105,13 @@ def simple_commands(words: list[str]) -> list[list[str]]:
 def problems(line: str, targets: set[str], compose=None) -> list[str]:
     """What is wrong with one command line (empty: nothing)."""
     try:
-        parts = simple_commands(_words(line))
+        line_words = _words(line)
+        parts = simple_commands(line_words)
     except ValueError as exc:
         return [f"{line!r}: not a shell command ({exc})"]
     found = []
     # A GPU-only line names its device as the launcher reads it (`DEVICE=gpu ./run.sh ...`); else the CPU's.
-    device = next((w.split("=", 1)[1] for w in _words(line) if w.startswith("DEVICE=")), "cpu")
+    device = next((w.split("=", 1)[1] for w in line_words if w.startswith("DEVICE=")), "cpu")
     for words in parts:
         for w in words:
             value = w.split("=", 1)[-1]
