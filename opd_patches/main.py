@@ -282,12 +282,6 @@ def apply_speculation(config: DictConfig) -> None:
     print(f"[opd] speculative decoding: {OmegaConf.to_container(spec) if OmegaConf.is_config(spec) else spec}; "
           "actor_rollout_ref.rollout.disable_log_stats=false (the acceptance is logged per step as rollout/spec_*)",
           flush=True)
-    # Decode-only graphs serve a step only when every sequence verifies a full draft; the others run eager.
-    compilation = OmegaConf.select(config, speculation.COMPILATION, default=None)
-    if speculation.compilation_setting(compilation, "cudagraph_mode") == "FULL_DECODE_ONLY":
-        print(f"[opd] NOTE: {speculation.COMPILATION}.cudagraph_mode=FULL_DECODE_ONLY runs every rollout step "
-              f"without a full draft outside CUDA graphs; {speculation.COMPILATION}.cudagraph_mode=FULL serves "
-              "them too (docs/speculation.md)", flush=True)
 
 
 def apply_logging(config: DictConfig) -> None:
@@ -439,9 +433,10 @@ def run(config: DictConfig) -> None:
     # refusal or a mistyped path costs no import (VERL pulls in torch and ray: seconds of CPU).
     hold_run_lock(config)
     check_inputs(config)
-    from opd_patches.checks import speculation
+    from opd_patches.checks import compilation, speculation
     from opd_patches.checks.resources import check_resources
 
+    compilation.check(config)  # the rollout's CUDA graphs where they changed the samples: refused before Ray
     speculation.check(config)  # upstream's speculative_config where it cannot work: refused before Ray
 
     check_resources(config)  # disk for the kept states, host memory for the pinned and parked copies

@@ -92,17 +92,6 @@ def test_a_page_without_the_counters_gives_no_figures(servers):
         plain.http.shutdown()
 
 
-def test_speculating_under_decode_only_graphs_prints_the_full_graphs_override(capsys):
-    base = ("actor_rollout_ref.model.path=/m/s", "distillation.teacher_models.teacher_model.model_path=/m/t",
-            "data.train_files=/d/t.parquet", "data.val_files=/d/v.parquet", "+device=gpu",
-            f"+{speculation.KEY}={{method: ngram, num_speculative_tokens: 4}}")
-    main.apply_speculation(composed.compose_recipe("topk", *base))  # the GPU profile's decode-only graphs
-    assert f"{speculation.COMPILATION}.cudagraph_mode=FULL serves them too" in capsys.readouterr().out
-    main.apply_speculation(composed.compose_recipe("topk", *base, f"{speculation.COMPILATION}.cudagraph_mode=FULL"))
-    out = capsys.readouterr().out
-    assert "[opd] speculative decoding:" in out and "NOTE" not in out
-
-
 def test_a_speculative_config_makes_the_engine_log_its_statistics():
     base = ("actor_rollout_ref.model.path=/m/s", "distillation.teacher_models.teacher_model.model_path=/m/t",
             "data.train_files=/d/t.parquet", "data.val_files=/d/v.parquet", "+device=cpu")

@@ -7,6 +7,7 @@ was found and the fix; the callers print it as one block and exit with status 2,
 - models.py: a model reference (local folder, or a hub id already in the local cache);
 - resources.py: the disk for the kept states and the host memory for the saves' snapshot and the parked teacher;
 - compat.py: student and teacher can be distilled (one tokenizer, one chat template);
+- compilation.py: the rollout engine's compilation_config (CUDA-graph modes that changed the samples);
 - speculation.py: upstream's `speculative_config` for the rollout, where it can work (the vLLM rollout, a method vLLM knows);
 - preflight.py: `make preflight` and opd.preflight (the compatibility report, optionally step-0 statistics).
 """

@@ -21,16 +21,14 @@ fails at start.
 from __future__ import annotations
 
 import importlib.util
-import json
 import typing
 
 from omegaconf import DictConfig, OmegaConf
 
 from opd_patches.checks import InputError
+from opd_patches.checks.compilation import COMPILATION, VLLM_COMPILE, setting
 
 KEY = "actor_rollout_ref.rollout.engine_kwargs.vllm.speculative_config"
-COMPILATION = "actor_rollout_ref.rollout.engine_kwargs.vllm.compilation_config"
-VLLM_COMPILE = 3  # vLLM's CompilationMode.VLLM_COMPILE
 DRAFT_FREE = ("ngram", "ngram_gpu", "suffix")
 EXAMPLE = "{method: ngram, num_speculative_tokens: 4, prompt_lookup_max: 4, prompt_lookup_min: 2}"
 
@@ -43,21 +41,6 @@ def installed_methods() -> tuple[str, set[str]] | None:
     from vllm.config.speculative import SpeculativeMethod
 
     return vllm.__version__, set(typing.get_args(SpeculativeMethod))  # nested Literals come flattened
-
-
-def compilation_setting(compilation, key="mode"):
-    """The `mode` (or another `key`) of the rollout's compilation_config (a mapping, or the JSON string VERL also
-    takes), upper-cased where vLLM's name is given; None where unset (vLLM's default then: VLLM_COMPILE unless
-    eager; for `cudagraph_mode`, vLLM's choice for the mode)."""
-    if isinstance(compilation, str):
-        try:
-            compilation = json.loads(compilation)
-        except ValueError:
-            return None
-    if OmegaConf.is_config(compilation):
-        compilation = OmegaConf.to_container(compilation, resolve=True)
-    mode = compilation.get(key) if isinstance(compilation, dict) else None
-    return mode.upper() if isinstance(mode, str) else mode
 
 
 def check(config: DictConfig) -> dict | None:
@@ -83,7 +66,7 @@ def check(config: DictConfig) -> dict | None:
         raise InputError(f"{KEY}: method 'suffix' needs arctic-inference, which vLLM's suffix proposer imports "
                          "(pip install arctic-inference==0.1.1, the version vLLM 0.24 names; installed, it also "
                          "patches vLLM through its plugin in every run)")
-    mode = compilation_setting(OmegaConf.select(config, COMPILATION, default=None))
+    mode = setting(OmegaConf.select(config, COMPILATION, default=None))
     if method == "ngram_gpu" and mode in (0, "NONE"):
         raise InputError(f"{KEY}: method 'ngram_gpu' compiles its matching kernel with the engine's compilation "
                          f"mode, and under mode 0 (this run's {COMPILATION}.mode) vLLM's engine fails at start "
