@@ -127,12 +127,12 @@ def test_echo_rows_are_named_and_paired_apart_from_the_random_ones():
         return {"model": model, "engine": engine, "batch": 32, "temperature": 1.3, "tokens": 512, "seconds": seconds}
 
     rows = pair_rows([row("random", "plain", 4.0), row("echo", "plain", 2.0), row("random", "spec", 5.0),
-                      row("echo", "spec", 1.0)], "full")
+                      row("echo", "spec", 1.0)], "piecewise")
     by = {r["name"]: r for r in rows}
-    assert set(by) == {"specdecode/full/plain/b32/T1.3", "specdecode/full/spec/b32/T1.3",
-                       "specdecode/full/echo/plain/b32/T1.3", "specdecode/full/echo/spec/b32/T1.3"}
-    assert by["specdecode/full/echo/spec/b32/T1.3"]["ratio"] == 0.5
-    assert by["specdecode/full/spec/b32/T1.3"]["ratio"] == 1.25
+    assert set(by) == {"specdecode/piecewise/plain/b32/T1.3", "specdecode/piecewise/spec/b32/T1.3",
+                       "specdecode/piecewise/echo/plain/b32/T1.3", "specdecode/piecewise/echo/spec/b32/T1.3"}
+    assert by["specdecode/piecewise/echo/spec/b32/T1.3"]["ratio"] == 0.5
+    assert by["specdecode/piecewise/spec/b32/T1.3"]["ratio"] == 1.25
 
 
 def test_the_bench_hands_each_engine_child_the_echo_folder_and_its_temperatures(tmp_path, monkeypatch):
@@ -162,14 +162,14 @@ def test_the_bench_hands_each_engine_child_the_echo_folder_and_its_temperatures(
     monkeypatch.setattr(spec_decode, "child", child)
     monkeypatch.setattr(spec_decode.subprocess, "run", run)
     args = argparse.Namespace(model="echo", workdir=tmp_path, batches=[32, 1], tokens=16, temperatures=None,
-                              compile="full", spec=None)
+                              compile="piecewise", spec=None)
     entry = spec_decode.run_phase(args)
     assert [a.engine for a in seen] == ["plain", "spec"]
-    assert all(a.path == echo and a.model == "echo" and a.compile == "full" for a in seen)
+    assert all(a.path == echo and a.model == "echo" and a.compile == "piecewise" for a in seen)
     assert seen[0].temperatures == spec_decode.TEMPERATURES["echo"]
     assert entry["model"] == "echo" and len(entry["rows"]) == 2 * 2 * len(spec_decode.TEMPERATURES["echo"])
     spec_rows = [r for r in entry["rows"] if r["engine"] == "spec"]
-    assert all(r["ratio"] == 0.5 and r["name"].startswith("specdecode/full/echo/spec/") for r in spec_rows)
+    assert all(r["ratio"] == 0.5 and r["name"].startswith("specdecode/piecewise/echo/spec/") for r in spec_rows)
     r_of = echo_model.repeat_probability(echo, spec_decode.TEMPERATURES["echo"])
     assert {r["temperature"]: r["repeat_p"] for r in spec_rows} == {t: round(p, 4) for t, p in r_of.items()}
     assert r_of[2.0] < 0.5 < r_of[0.5]  # the temperature sets how often the model repeats

@@ -74,17 +74,39 @@ def test_reuse_tests_the_kept_samples_again_without_an_engine(tmp_path, capsys):
     assert "missing" in capsys.readouterr().err
     counters = {"drafted": 40.0, "accepted": 25.0}
     for engine, seed in (("plain", 1), ("spec", 2)):
-        drawn = {"samples": {"q": chain(random.Random(seed), 2000, 8)}, "counters": counters}
+        drawn = {"samples": {"q": chain(random.Random(seed), 2000, 8)}, "counters": counters,
+                 "spec": se.NGRAM if engine == "spec" else None}
         out.with_suffix(f".{engine}.json").write_text(json.dumps(drawn))
     assert se.main(["--reuse", "--out", str(out), "--positions", "2,3,4"]) == 0
     result = json.loads(out.read_text())
     assert result["exact"] and result["planted_rejected"] and result["exercised"]
     assert result["samples"] == 2000 and result["prompts"] == 1 and len(result["tests"]) == 3
-    assert result["spec"] is None  # the kept samples do not say which speculative_config drew them
+    assert result["spec"] == se.NGRAM
     drawn["samples"] = {"another question": drawn["samples"]["q"]}
     out.with_suffix(".spec.json").write_text(json.dumps(drawn))
     assert se.main(["--reuse", "--out", str(out)]) == 2
     assert "different prompts" in capsys.readouterr().err
+
+
+def test_a_compilation_setting_is_checked_alone_without_drafts(tmp_path):
+    """`--spec none`: the checked engine drafts nothing, so no drafts are asked for; its samples must still match
+    the plain engine's, and an engine whose late requests come out flatter (as full CUDA graphs over mixed
+    batches gave) fails."""
+    out = tmp_path / "exactness.json"
+    none = {"drafted": 0.0, "accepted": 0.0}
+
+    def keep(plain, checked):
+        for engine, samples in (("plain", plain), ("spec", checked)):
+            out.with_suffix(f".{engine}.json").write_text(json.dumps({"samples": {"q": samples}, "counters": none,
+                                                                      "spec": None}))
+
+    keep(chain(random.Random(1), 2000, 8), chain(random.Random(2), 2000, 8))
+    assert se.main(["--reuse", "--out", str(out), "--positions", "2,3,4,8"]) == 0
+    assert json.loads(out.read_text())["exercised"] is None
+    flat = chain(random.Random(2), 1600, 8) + [[random.Random(i).randrange(6) for _ in range(8)] for i in range(400)]
+    keep(chain(random.Random(1), 2000, 8), flat)
+    assert se.main(["--reuse", "--out", str(out), "--positions", "2,3,4,8"]) == 1
+    assert not json.loads(out.read_text())["exact"]
 
 
 def test_a_sampler_off_at_one_position_is_caught():

@@ -2,13 +2,15 @@
 
     python -m tools.spec_exactness --model .cache/addition/student [--samples 4000] [--prompts 4]
         [--positions 2,3,4,8,16] [--spec '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
-        "prompt_lookup_min": 2}'] [--alpha 0.01] [--bias 0.2] [--min-shift 0.1] [--out outputs/spec_exactness.json]
-        [--reuse]
+        "prompt_lookup_min": 2}' | none] [--spec-compilation '{"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}']
+        [--alpha 0.01] [--bias 0.2] [--min-shift 0.1] [--out outputs/spec_exactness.json] [--reuse]
 
 For each of the known-answer task's first `--prompts` held-out questions (the model's chat template), two
-engines draw `--samples` continuations at temperature 1: one plain, one with `--spec`, each in its own child
-process with the training rollout's compilation settings (opd_patches/eval/vllm_backend.py) and
-disjoint per-request seeds, so that the two sets are independent. At each position of `--positions` (the
+engines draw `--samples` continuations at temperature 1: one plain, one with `--spec` (the checked engine), each in its own child
+process with disjoint per-request seeds, so that the two sets are independent. The plain engine runs the training
+rollout's compilation settings (opd_patches/eval/vllm_backend.py), the checked one `--spec-compilation`
+(by default the same). `--spec none` checks a compilation setting alone: the checked engine then drafts
+nothing. At each position of `--positions` (the
 first token comes from the prompt's pass, never from a draft), the tokens there of the two sets are compared
 by a chi-square test of homogeneity over the most frequent tokens (`homogeneity`), at level `--alpha` over
 all tests (Bonferroni). It compares each position's token distribution, not whole sequences. Three checks,
@@ -19,7 +21,8 @@ all needed for exit 0:
   half the samples or more (a peaked position, as a trained model's), else onto the most frequent
   (`plant_bias`), at every test where that moves at least `--min-shift` of the probability
   (bias x the share moved);
-- exercised: the speculative engine's counters show drafted and accepted tokens (vLLM's spec-decode metrics).
+- exercised: the checked engine's counters show drafted and accepted tokens (vLLM's spec-decode metrics);
+  not asked of `--spec none`.
 Each engine's samples are kept beside --out (`<out>.plain.json`, `<out>.spec.json`); `--reuse` tests those
 again without drawing (on any machine). Drawing needs a GPU and vLLM; the statistics run on a CPU too
 (tests/test_spec_exactness.py).
@@ -154,10 +157,12 @@ def draw(args) -> dict:
 
     from opd_patches.eval.vllm_backend import ROLLOUT_COMPILATION
 
-    spec = json.loads(args.spec) if args.engine == "spec" else None
+    spec = json.loads(args.spec) if args.engine == "spec" and args.spec != "none" else None
+    checked = args.engine == "spec" and args.spec_compilation
+    compilation = json.loads(args.spec_compilation) if checked else dict(ROLLOUT_COMPILATION)
     llm = LLM(model=args.model, dtype="auto", seed=0, max_model_len=1024, gpu_memory_utilization=0.3,
-              compilation_config=dict(ROLLOUT_COMPILATION), disable_log_stats=False,
-              **({"speculative_config": spec} if spec else {}))
+              compilation_config=dict(compilation), disable_log_stats=False,  # copies: vLLM fills in what it is given
+              **({"speculative_config": dict(spec)} if spec else {}))
     texts = prompts(args.model, args.prompts)
     first = 0 if args.engine == "plain" else args.samples  # disjoint seeds: independent sets
     out = {}
@@ -168,7 +173,7 @@ def draw(args) -> dict:
         out[text] = [list(r.outputs[0].token_ids) for r in results]
     from tools.bench.spec_decode import counters
 
-    return {"samples": out, "counters": counters(llm), "spec": spec}
+    return {"samples": out, "counters": counters(llm), "spec": spec, "compilation": compilation}
 
 
 def main(argv=None) -> int:
@@ -177,7 +182,9 @@ def main(argv=None) -> int:
     ap.add_argument("--samples", type=int, default=4000)
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--positions", default="2,3,4,8,16")
-    ap.add_argument("--spec", default=json.dumps(NGRAM), help="speculative_config as JSON")
+    ap.add_argument("--spec", default=json.dumps(NGRAM), help="speculative_config as JSON, or none")
+    ap.add_argument("--spec-compilation", default=None,
+                    help="the checked engine's compilation_config as JSON (default: the training rollout's)")
     ap.add_argument("--alpha", type=float, default=0.01)
     ap.add_argument("--bias", type=float, default=0.2)
     ap.add_argument("--min-shift", type=float, default=0.1, help="the planted bias must be rejected where it moves this much")
@@ -203,7 +210,8 @@ def main(argv=None) -> int:
             continue
         cmd = [sys.executable, "-m", "tools.spec_exactness", "--engine", engine, "--child-out", str(child_out),
                "--model", args.model, "--samples", str(args.samples), "--prompts", str(args.prompts),
-               "--positions", ",".join(map(str, args.positions)), "--spec", args.spec]
+               "--positions", ",".join(map(str, args.positions)), "--spec", args.spec,
+               *(["--spec-compilation", args.spec_compilation] if args.spec_compilation else [])]
         print(f"[spec-exactness] {engine}: {args.samples} samples x {args.prompts} prompts", flush=True)
         if subprocess.run(cmd, cwd=REPO).returncode != 0:
             print(f"[spec-exactness] the {engine} engine failed", file=sys.stderr)
@@ -218,16 +226,17 @@ def main(argv=None) -> int:
     counters = drawn["spec"]["counters"]
     drafted, accepted = counters["drafted"], counters["accepted"]
     sizes = sorted({len(v) for v in drawn["spec"]["samples"].values()})
-    result.update(spec=drawn["spec"].get("spec"), samples=sizes[0] if len(sizes) == 1 else sizes,
+    result.update(spec=drawn["spec"].get("spec"), compilation={e: drawn[e].get("compilation") for e in drawn},
+                  samples=sizes[0] if len(sizes) == 1 else sizes,
                   prompts=len(drawn["spec"]["samples"]), positions=args.positions,
                   alpha=args.alpha, bias=args.bias, min_shift=args.min_shift, counters=counters, drafted=drafted, accepted=accepted,
-                  exercised=drafted > 0 and accepted > 0)
+                  exercised=drafted > 0 and accepted > 0 if drawn["spec"].get("spec") else None)
     args.out.write_text(json.dumps(result, indent=1))
     worst = min(result["tests"], key=lambda t: t["p"])
     print(f"[spec-exactness] exact: {result['exact']} (smallest p {worst['p']:.3g} at position {worst['position']}, "
           f"level per test {result['level_per_test']:.3g}); planted bias {args.bias} rejected at each of its "
           f"{result['planted_tests']} tests shifting >= {args.min_shift}: {result['planted_rejected']}; drafted {drafted}, accepted {accepted}; {args.out}", flush=True)
-    return 0 if result["exact"] and result["planted_rejected"] and result["exercised"] else 1
+    return 0 if result["exact"] and result["planted_rejected"] and result["exercised"] is not False else 1
 
 
 if __name__ == "__main__":

@@ -2,14 +2,15 @@
 
     python -m tools.bench.spec_decode [--model random|echo] [--batches 32 8 1] [--tokens 1024] [--temperatures ...]
         [--spec '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}']
-        [--compile rollout|rollout-full|default|full|piecewise] [--workdir .cache/bench] [--out bench.json]
+        [--compile rollout|default|piecewise] [--workdir .cache/bench] [--out bench.json]
 
 One engine per child process, plain then speculative, on an R1-Distill-1.5B-architecture model with the rollout's
 memory share (0.5) and, with `--compile rollout`, its compilation (recipes/device/gpu.yaml: CUDA graphs for
-one-token decode, no torch.compile); `rollout-full` keeps mode 0 (no torch.compile) but captures full CUDA
-graphs for every batch (under speculation a decode-only graph serves a step only when every sequence in it verifies
-exactly 1 + k tokens; the other steps run eager); `default` is vLLM's own, `full` and `piecewise` are
-torch.compile (VLLM_COMPILE) with those CUDA-graph modes. For each batch size B and temperature T: B prompts x
+one-token decode, no torch.compile; under speculation such a graph serves a step only when every sequence in
+it verifies exactly 1 + k tokens, the other steps run eager); `default` is vLLM's own (torch.compile,
+VLLM_COMPILE, with full graphs for uniform decode and piecewise ones for the rest), `piecewise` the same with
+piecewise graphs only. Full graphs for every batch (`cudagraph_mode` FULL) are no choice here: they changed the
+samples (opd_patches/checks/compilation.py). For each batch size B and temperature T: B prompts x
 `--tokens` forced new tokens (EOS ignored, per-request seeds).
 
 Two models of the same compute per token:
@@ -53,9 +54,8 @@ from opd_patches.rollout import spec_metrics
 
 REPO = Path(__file__).resolve().parents[2]
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
-COMPILE = {"rollout": {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"},
-           "rollout-full": {"mode": 0, "cudagraph_mode": "FULL"}, "default": None,
-           "full": {"mode": 3, "cudagraph_mode": "FULL"}, "piecewise": {"mode": 3, "cudagraph_mode": "PIECEWISE"}}
+COMPILE = {"rollout": {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}, "default": None,
+           "piecewise": {"mode": 3, "cudagraph_mode": "PIECEWISE"}}
 # echo: from almost no repeats to almost only repeats (r(T) in the module docstring)
 TEMPERATURES = {"random": [1.0], "echo": [2.0, 1.3, 1.15, 1.0, 0.5]}
 
