@@ -27,3 +27,13 @@ def _composed(recipe: str, overrides: tuple[str, ...]):
 def compose_recipe(recipe: str, *overrides: str):
     """recipes/RECIPE.yaml composed with `overrides` (a fresh copy)."""
     return copy.deepcopy(_composed(recipe, tuple(str(o) for o in overrides)))
+
+
+PLACEHOLDERS = ("actor_rollout_ref.model.path=/models/student",
+                "distillation.teacher_models.teacher_model.model_path=/models/teacher",
+                "data.train_files=/data/train.parquet", "data.val_files=/data/val.parquet")
+
+
+def compose_placeholder(recipe: str, *overrides: str, device: str = "cpu"):
+    """`recipe` on a device profile with placeholder model and data paths (nothing is read from them)."""
+    return compose_recipe(recipe, *PLACEHOLDERS, f"+device={device}", *overrides)

@@ -1,25 +1,17 @@
 """The rollout engine's compilation settings (opd_patches/checks/compilation.py): CUDA-graph modes whose samples
 were not the model's are refused before Ray starts."""
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import composed
+import launch
 import pytest
 
 from opd_patches.checks import InputError, compilation
 
-REPO = Path(__file__).resolve().parents[1]
 MODE = f"{compilation.COMPILATION}.cudagraph_mode"
 
 
 def compose(*overrides, device="gpu"):
-    return composed.compose_recipe("topk", "actor_rollout_ref.model.path=/models/student",
-                                   "distillation.teacher_models.teacher_model.model_path=/models/teacher",
-                                   "data.train_files=/data/train.parquet", "data.val_files=/data/val.parquet",
-                                   f"+device={device}", *overrides)
+    return composed.compose_placeholder("topk", *overrides, device=device)
 
 
 @pytest.mark.parametrize("value", ["FULL", "full"])
@@ -44,13 +36,5 @@ def test_the_gpu_profiles_graphs_and_the_piecewise_ones_pass():
 
 
 def test_run_sh_refuses_full_graphs_in_one_line_before_ray(tmp_path, embedded):
-    ray_tmp = tmp_path / "ray"
-    env = {**os.environ, "DEVICE": "cpu", "OUTPUT_DIR": str(tmp_path / "run"), "PYTHON": sys.executable,
-           "RAY_TMPDIR": str(ray_tmp), "STUDENT": str(embedded["student"]), "TEACHER": str(embedded["teacher"]),
-           "TRAIN_FILES": str(embedded["train"]), "VAL_FILES": str(embedded["val"])}
-    env.pop("OPD_LOCK_HELD", None)
-    out = subprocess.run([str(REPO / "run.sh"), "recipe=topk", "+overlay=smoke", f"+{MODE}=FULL"], env=env,
-                         capture_output=True, text=True, timeout=300, cwd=REPO)
-    assert out.returncode == 2 and "Traceback" not in out.stdout + out.stderr, (out.stdout + out.stderr)[-3000:]
-    assert not ray_tmp.exists()
-    assert out.stderr.strip().splitlines()[-1].startswith(f"[opd] refused: {MODE}=FULL: full CUDA graphs"), out.stderr[-2000:]
+    last = launch.refused(tmp_path, embedded, f"+{MODE}=FULL", recipe="topk")
+    assert last.startswith(f"[opd] refused: {MODE}=FULL: full CUDA graphs"), last

@@ -149,10 +149,7 @@ def problems(line: str, targets: set[str], compose=None) -> list[str]:
 def _compose(recipe, *overrides, device="cpu"):
     import composed
 
-    return composed.compose_recipe(recipe, "actor_rollout_ref.model.path=/models/student",
-                                   "distillation.teacher_models.teacher_model.model_path=/models/teacher",
-                                   "data.train_files=/data/train.parquet", "data.val_files=/data/val.parquet",
-                                   f"+device={device}", *overrides)
+    return composed.compose_placeholder(recipe, *overrides, device=device)
 
 
 def slug(heading: str) -> str:

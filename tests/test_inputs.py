@@ -5,11 +5,9 @@ The checks themselves are called in this process (fast); three real `run.sh` lau
 end to end: a raw-download parquet, a missing model, EMBEDDED beside explicit paths."""
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
+import launch
 import pandas as pd
 import pytest
 
@@ -17,7 +15,6 @@ from opd_patches.checks import InputError
 from opd_patches.checks.data import check_eval_jsonl, check_rl_parquet
 from opd_patches.checks.models import check_model
 
-REPO = Path(__file__).resolve().parents[1]
 
 
 def good_row(problem="What is 1 + 1?", answer="2"):
@@ -108,30 +105,16 @@ def test_eval_jsonl_lines_are_checked(tmp_path):
         check_eval_jsonl(path)
 
 
-def _launch(tmp_path, embedded, **env):
-    ray_tmp = tmp_path / "ray"  # Ray would create its session folder here: it must stay absent
-    full = {**os.environ, "DEVICE": "cpu", "OUTPUT_DIR": str(tmp_path / "run"), "PYTHON": sys.executable,
-            "RAY_TMPDIR": str(ray_tmp), "STUDENT": str(embedded["student"]), "TEACHER": str(embedded["teacher"]),
-            "TRAIN_FILES": str(embedded["train"]), "VAL_FILES": str(embedded["val"]), **env}
-    full = {k: v for k, v in full.items() if v is not None}
-    full.pop("OPD_LOCK_HELD", None)
-    out = subprocess.run([str(REPO / "run.sh"), "recipe=k1", "+overlay=smoke"], env=full, capture_output=True,
-                         text=True, timeout=300, cwd=REPO)
-    text = out.stdout + out.stderr
-    assert out.returncode == 2, text[-3000:]
-    assert "Traceback" not in text, text[-3000:]
-    assert not ray_tmp.exists() and "ray init" not in text.lower()
-    return out.stderr.strip().splitlines()[-1]
 
 
 @pytest.mark.slow
 def test_run_sh_refuses_bad_inputs_before_ray(tmp_path, embedded):
     raw = write(tmp_path, [{"prompt": "What is 1 + 1?", "solution": "2"}], "raw.parquet")
-    last = _launch(tmp_path, embedded, TRAIN_FILES=str(raw), VAL_FILES=str(raw))
+    last = launch.refused(tmp_path, embedded, TRAIN_FILES=str(raw), VAL_FILES=str(raw))
     assert f"data.train_files={raw}" in last and "make data SRC=" in last
-    last = _launch(tmp_path, embedded, TEACHER=str(tmp_path / "missing-teacher"))
+    last = launch.refused(tmp_path, embedded, TEACHER=str(tmp_path / "missing-teacher"))
     assert f"distillation.teacher_models.teacher_model.model_path={tmp_path / 'missing-teacher'}" in last
-    last = _launch(tmp_path, embedded, EMBEDDED="1")
+    last = launch.refused(tmp_path, embedded, EMBEDDED="1")
     assert "EMBEDDED=1" in last and "STUDENT TEACHER TRAIN_FILES VAL_FILES" in last
 
 

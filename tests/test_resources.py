@@ -192,26 +192,14 @@ def test_memory_figure_is_memavailable_or_a_smaller_cgroup_limit():
 def test_run_sh_refuses_before_ray_with_exit_2(tmp_path, embedded):
     """A real launch: the teacher's config.json says it is far larger than this host's memory (its files are the
     tiny teacher's: every input check before this one passes); run.sh exits 2 with the message, Ray never starts."""
-    import os
     import shutil
-    import subprocess
-    import sys
     from pathlib import Path
 
-    repo = Path(__file__).resolve().parents[1]
+    import launch
+
     teacher = Path(shutil.copytree(embedded["teacher"], tmp_path / "teacher"))
     config = json.loads((teacher / "config.json").read_text())
     (teacher / "config.json").write_text(json.dumps({**config, **HUGE}))
-    ray_tmp = tmp_path / "ray"
-    env = {**os.environ, "DEVICE": "cpu", "OUTPUT_DIR": str(tmp_path / "run"), "PYTHON": sys.executable,
-           "RAY_TMPDIR": str(ray_tmp), "STUDENT": str(embedded["student"]), "TEACHER": str(teacher),
-           "TRAIN_FILES": str(embedded["train"]), "VAL_FILES": str(embedded["val"])}
-    env.pop("OPD_LOCK_HELD", None)
-    out = subprocess.run([str(repo / "run.sh"), "recipe=k1", "+overlay=smoke"], env=env, capture_output=True,
-                         text=True, timeout=300, cwd=repo)
-    text = out.stdout + out.stderr
-    assert out.returncode == 2 and "Traceback" not in text, text[-3000:]
-    assert not ray_tmp.exists()
-    last = out.stderr.strip().splitlines()[-1]
+    last = launch.refused(tmp_path, embedded, TEACHER=str(teacher))
     assert last.startswith("[opd] refused: host memory: 1 GPU process on this host would hold "), last
     assert "opd.teacher_offload=false" in last and "opd.force=true (run.sh: FORCE=1) starts anyway." in last

@@ -2,25 +2,18 @@
 where it cannot work."""
 
 import importlib.util
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import composed
+import launch
 import pytest
 
 from opd_patches.checks import InputError, speculation
 
-REPO = Path(__file__).resolve().parents[1]
 NGRAM = f"+{speculation.KEY}={{method: ngram, num_speculative_tokens: 4, prompt_lookup_max: 4, prompt_lookup_min: 2}}"
 
 
 def compose(*overrides, device="cpu"):
-    return composed.compose_recipe("topk", "actor_rollout_ref.model.path=/models/student",
-                                   "distillation.teacher_models.teacher_model.model_path=/models/teacher",
-                                   "data.train_files=/data/train.parquet", "data.val_files=/data/val.parquet",
-                                   f"+device={device}", *overrides)
+    return composed.compose_placeholder("topk", *overrides, device=device)
 
 
 def test_the_documented_override_composes_and_reaches_upstreams_key():
@@ -99,14 +92,5 @@ def test_ngram_gpu_under_the_rollouts_mode_0_is_refused_and_allowed_under_mode_3
 
 def test_run_sh_refuses_the_override_on_a_cpu_in_one_line_before_ray(tmp_path, embedded):
     """The README's override on a CPU run: exit 2, one line naming the key, Ray never started."""
-    ray_tmp = tmp_path / "ray"
-    env = {**os.environ, "DEVICE": "cpu", "OUTPUT_DIR": str(tmp_path / "run"), "PYTHON": sys.executable,
-           "RAY_TMPDIR": str(ray_tmp), "STUDENT": str(embedded["student"]), "TEACHER": str(embedded["teacher"]),
-           "TRAIN_FILES": str(embedded["train"]), "VAL_FILES": str(embedded["val"])}
-    env.pop("OPD_LOCK_HELD", None)
-    out = subprocess.run([str(REPO / "run.sh"), "recipe=topk", "+overlay=smoke", NGRAM], env=env, capture_output=True,
-                         text=True, timeout=300, cwd=REPO)
-    assert out.returncode == 2 and "Traceback" not in out.stdout + out.stderr, (out.stdout + out.stderr)[-3000:]
-    assert not ray_tmp.exists()
-    last = out.stderr.strip().splitlines()[-1]
+    last = launch.refused(tmp_path, embedded, NGRAM, recipe="topk")
     assert last.startswith(f"[opd] refused: {speculation.KEY}: speculative decoding runs in the vLLM rollout"), last
