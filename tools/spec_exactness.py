@@ -6,11 +6,11 @@
         [--alpha 0.01] [--bias 0.2] [--min-shift 0.1] [--out outputs/spec_exactness.json] [--reuse]
 
 For each of the known-answer task's first `--prompts` held-out questions (the model's chat template), two
-engines draw `--samples` continuations at temperature 1: one plain, one with `--spec` (the checked engine), each in its own child
-process with disjoint per-request seeds, so that the two sets are independent. The plain engine runs the training
-rollout's compilation settings (opd_patches/eval/vllm_backend.py), the checked one `--spec-compilation`
-(by default the same). `--spec none` checks a compilation setting alone: the checked engine then drafts
-nothing. At each position of `--positions` (the
+engines draw `--samples` continuations at temperature 1: one plain, one with `--spec` (the checked engine),
+each in its own child process with disjoint per-request seeds, so that the two sets are independent. The
+plain engine runs the training rollout's compilation settings (opd_patches/eval/vllm_backend.py), the checked
+one `--spec-compilation` (by default the same). `--spec none` checks a compilation setting alone: the checked
+engine then drafts nothing. At each position of `--positions` (the
 first token comes from the prompt's pass, never from a draft), the tokens there of the two sets are compared
 by a chi-square test of homogeneity over the most frequent tokens (`homogeneity`), at level `--alpha` over
 all tests (Bonferroni). It compares each position's token distribution, not whole sequences. Three checks,
