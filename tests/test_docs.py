@@ -218,7 +218,7 @@ def test_the_checks_catch_mistakes(tmp_path):
                  "ssh cluster 'cd /data/opd && make install PROFILE=gpu WHEELHOUSE=/data/wh-gpu'",
                  "python -m opd_patches.eval --model M --suite embedded && make plot RUN=outputs/k1"):
         assert not problems(good, targets, _compose), good
-    gpu_key = "actor_rollout_ref.rollout.engine_kwargs.vllm.compilation_config.cudagraph_mode=FULL"  # GPU profile only
+    gpu_key = "actor_rollout_ref.rollout.engine_kwargs.vllm.compilation_config.mode=3"  # GPU profile only
     assert not problems(f"DEVICE=gpu ./run.sh recipe=topk {gpu_key}", targets, _compose)
     assert "does not compose" in problems(f"./run.sh recipe=topk {gpu_key}", targets, _compose)[0]
     page = tmp_path / "page.md"

@@ -93,12 +93,10 @@ def test_a_page_without_the_counters_gives_no_figures(servers):
 
 
 def test_a_speculative_config_makes_the_engine_log_its_statistics():
-    base = ("actor_rollout_ref.model.path=/m/s", "distillation.teacher_models.teacher_model.model_path=/m/t",
-            "data.train_files=/d/t.parquet", "data.val_files=/d/v.parquet", "+device=cpu")
-    plain = composed.compose_recipe("topk", *base)
+    plain = composed.compose_placeholder("topk")
     main.apply_speculation(plain)
     assert plain.actor_rollout_ref.rollout.disable_log_stats is True  # upstream's default, left alone
-    spec = composed.compose_recipe("topk", *base, f"+{speculation.KEY}={{method: ngram, num_speculative_tokens: 4}}")
+    spec = composed.compose_placeholder("topk", f"+{speculation.KEY}={{method: ngram, num_speculative_tokens: 4}}")
     main.apply_speculation(spec)
     assert spec.actor_rollout_ref.rollout.disable_log_stats is False
 
