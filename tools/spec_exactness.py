@@ -23,8 +23,9 @@ all needed for exit 0:
   (bias x the share moved);
 - exercised: the checked engine's counters show drafted and accepted tokens (vLLM's spec-decode metrics);
   not asked of `--spec none`.
-Each engine's samples are kept beside --out (`<out>.plain.json`, `<out>.spec.json`); `--reuse` tests those
-again without drawing (on any machine). Drawing needs a GPU and vLLM; the statistics run on a CPU too
+Each engine's samples are kept beside --out (`<out>.plain.json`, `<out>.spec.json`), with the log-prob vLLM
+returned for each sampled token (tools/spec_logprobs.py compares those with the model's own); `--reuse` tests
+the samples again without drawing (on any machine). Drawing needs a GPU and vLLM; the statistics run on a CPU too
 (tests/test_spec_exactness.py).
 """
 
@@ -165,15 +166,20 @@ def draw(args) -> dict:
               **({"speculative_config": dict(spec)} if spec else {}))
     texts = prompts(args.model, args.prompts)
     first = 0 if args.engine == "plain" else args.samples  # disjoint seeds: independent sets
-    out = {}
+    out, logprobs, prompt_ids = {}, {}, {}
     for text in texts:
-        params = [SamplingParams(temperature=1.0, top_p=1.0, max_tokens=max(args.positions), seed=first + i)
-                  for i in range(args.samples)]
+        # logprobs=0: each sampled token's own log-prob, as the training rollout asks (tools/spec_logprobs.py)
+        params = [SamplingParams(temperature=1.0, top_p=1.0, max_tokens=max(args.positions), seed=first + i,
+                                 logprobs=0) for i in range(args.samples)]
         results = llm.generate([text] * args.samples, params, use_tqdm=False)
         out[text] = [list(r.outputs[0].token_ids) for r in results]
+        logprobs[text] = [[step[token].logprob for token, step in zip(r.outputs[0].token_ids, r.outputs[0].logprobs)]
+                          for r in results]
+        prompt_ids[text] = list(results[0].prompt_token_ids)
     from tools.bench.spec_decode import counters
 
-    return {"samples": out, "counters": counters(llm), "spec": spec, "compilation": compilation}
+    return {"samples": out, "logprobs": logprobs, "prompt_ids": prompt_ids, "counters": counters(llm), "spec": spec,
+            "compilation": compilation}
 
 
 def main(argv=None) -> int:
