@@ -64,8 +64,8 @@ def check(config: DictConfig) -> dict | None:
                          f"ones it knows: {', '.join(m for m in DRAFT_FREE if m in known)}")
     if method == "suffix" and importlib.util.find_spec("arctic_inference") is None:
         raise InputError(f"{KEY}: method 'suffix' needs arctic-inference, which vLLM's suffix proposer imports "
-                         "(pip install arctic-inference==0.1.1, the version vLLM 0.24 names; installed, it also "
-                         "patches vLLM through its plugin in every run)")
+                         "(PyPI has only its source, built with --no-build-isolation: docs/speculation.md, "
+                         "Installing suffix)")
     mode = setting(OmegaConf.select(config, COMPILATION, default=None))
     if method == "ngram_gpu" and mode in (0, "NONE"):
         raise InputError(f"{KEY}: method 'ngram_gpu' compiles its matching kernel with the engine's compilation "
