@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import random
-import subprocess
 import sys
 from pathlib import Path
 
@@ -68,14 +68,12 @@ def main(argv=None) -> int:
     except ImportError:
         print("[suffix-cache] needs arctic-inference (docs/speculation.md: Installing suffix)", file=sys.stderr)
         return 2
-    rows = []
+    rows, spawn = [], multiprocessing.get_context("spawn")
     for text in args.text:
         for n in args.responses:  # each size in a fresh process: freed trees would blur the next reading
-            row = subprocess.run([sys.executable, "-c", "import json, sys; from tools.bench.suffix_cache import measure; "
-                                  f"print(json.dumps(measure({n}, {args.tokens}, {args.depth}, {args.vocab}, {text!r})))"],
-                                 capture_output=True, text=True, check=True, cwd=Path(__file__).resolve().parents[2])
-            rows.append(json.loads(row.stdout.strip().splitlines()[-1]))
-            r = rows[-1]
+            with spawn.Pool(1) as pool:
+                r = pool.apply(measure, (n, args.tokens, args.depth, args.vocab, text))
+            rows.append(r)
             print(f"[suffix-cache] {text:6} {n:5d} responses x {args.tokens} tokens: +{r['rss_growth_bytes'] / 2**20:8.1f} MiB, "
                   f"{r['bytes_per_token']:.0f} B per token", flush=True)
     args.out.write_text(json.dumps({"rows": rows}, indent=1))
