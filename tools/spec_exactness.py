@@ -39,8 +39,9 @@ import sys
 from collections import Counter
 from pathlib import Path
 
+from tools.bench.spec_decode import NGRAM, counters
+
 REPO = Path(__file__).resolve().parents[1]
-NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
 MIN_EXPECTED = 5.0  # the chi-square approximation's usual floor per cell
 MAX_CELLS = 10  # the most frequent tokens and the rest: a shift onto any one of them keeps its weight
 
@@ -176,8 +177,6 @@ def draw(args) -> dict:
         logprobs[text] = [[step[token].logprob for token, step in zip(r.outputs[0].token_ids, r.outputs[0].logprobs)]
                           for r in results]
         prompt_ids[text] = list(results[0].prompt_token_ids)
-    from tools.bench.spec_decode import counters
-
     return {"samples": out, "logprobs": logprobs, "prompt_ids": prompt_ids, "counters": counters(llm), "spec": spec,
             "compilation": compilation}
 

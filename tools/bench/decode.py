@@ -28,6 +28,8 @@ import sys
 import time
 from pathlib import Path
 
+from opd_patches.eval.vllm_backend import ROLLOUT_COMPILATION
+
 REPO = Path(__file__).resolve().parents[2]
 TRAIN_SEQS, TRAIN_LEN = 2, 5200  # one update micro-batch pair at the seed's mean response length
 
@@ -36,7 +38,7 @@ def engine(model: Path, max_len: int):
     from vllm import LLM
 
     return LLM(model=str(model), dtype="bfloat16", gpu_memory_utilization=0.5, max_model_len=max_len,
-               compilation_config={"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}, seed=0)
+               compilation_config=dict(ROLLOUT_COMPILATION), seed=0)
 
 
 def decode(llm, batch: int, tokens: int) -> dict:

@@ -50,11 +50,12 @@ import sys
 import time
 from pathlib import Path
 
+from opd_patches.eval.vllm_backend import ROLLOUT_COMPILATION
 from opd_patches.rollout import spec_metrics
 
 REPO = Path(__file__).resolve().parents[2]
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
-COMPILE = {"rollout": {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}, "default": None,
+COMPILE = {"rollout": ROLLOUT_COMPILATION, "default": None,
            "piecewise": {"mode": 3, "cudagraph_mode": "PIECEWISE"}}
 # echo: from almost no repeats to almost only repeats (r(T) in the module docstring)
 TEMPERATURES = {"random": [1.0], "echo": [2.0, 1.3, 1.15, 1.0, 0.5]}
@@ -75,7 +76,7 @@ def child(args) -> list[dict]:
     cc = COMPILE[args.compile]
     start = time.monotonic()
     llm = LLM(model=str(args.path), dtype="bfloat16", gpu_memory_utilization=0.5, max_model_len=64 + args.tokens + 16,
-              seed=0, disable_log_stats=False, **({"compilation_config": cc} if cc else {}),
+              seed=0, disable_log_stats=False, **({"compilation_config": dict(cc)} if cc else {}),
               **({"speculative_config": spec} if spec else {}))
     startup = time.monotonic() - start
     rows = []
