@@ -2,7 +2,7 @@
 
     python -m tools.bench.spec_decode [--model random|echo] [--batches 32 8 1] [--tokens 1024] [--temperatures ...]
         [--spec '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}']
-        [--compile rollout|default|piecewise] [--workdir .cache/bench] [--out bench.json]
+        [--compile rollout|default|piecewise] [--seeds request|none] [--workdir .cache/bench] [--out bench.json]
 
 One engine per child process, plain then speculative, on an R1-Distill-1.5B-architecture model with the rollout's
 memory share (0.5) and, with `--compile rollout`, its compilation (recipes/device/gpu.yaml: CUDA graphs for
@@ -11,7 +11,9 @@ it verifies exactly 1 + k tokens, the other steps run eager); `default` is vLLM'
 VLLM_COMPILE, with full graphs for uniform decode and piecewise ones for the rest), `piecewise` the same with
 piecewise graphs only. Full graphs for every batch (`cudagraph_mode` FULL) are no choice here: they changed the
 samples (opd_patches/checks/compilation.py). For each batch size B and temperature T: B prompts x
-`--tokens` forced new tokens (EOS ignored, per-request seeds).
+`--tokens` forced new tokens (EOS ignored). `--seeds request` (default) gives every request its own seed, so a
+row's tokens repeat from run to run; `none` samples as the rollout does (VERL sets a request's seed only under
+`rollout.full_determinism`): vLLM draws seeded requests' random numbers one request at a time.
 
 Two models of the same compute per token:
 
@@ -84,7 +86,8 @@ def child(args) -> list[dict]:
         for batch in args.batches:
             prompts = [TokensPrompt(prompt_token_ids=[(1000 + 7 * i + j) % 150000 for j in range(64)]) for i in range(batch)]
             params = [SamplingParams(temperature=temperature, max_tokens=args.tokens, min_tokens=args.tokens,
-                                     ignore_eos=True, seed=i) for i in range(batch)]
+                                     ignore_eos=True, seed=i if args.seeds == "request" else None)
+                      for i in range(batch)]
             llm.generate(prompts[:1], params[:1], use_tqdm=False)  # this shape's first run pays one-time costs
             before = counters(llm)
             t0 = time.monotonic()
@@ -94,6 +97,7 @@ def child(args) -> list[dict]:
             made = min(len(o.outputs[0].token_ids) for o in outs)
             drafts, drafted, accepted = (after[k] - before[k] for k in ("drafts", "drafted", "accepted"))
             rows.append({"model": args.model, "engine": args.engine, "batch": batch, "temperature": temperature,
+                         "seeds": args.seeds,
                          "tokens": made, "seconds": round(seconds, 3), "ms_per_token": round(1e3 * seconds / args.tokens, 3),
                          "startup_s": round(startup, 1), "drafts": drafts, "drafted": drafted, "accepted": accepted,
                          "accept_rate": round(accepted / drafted, 4) if drafted else None,
@@ -163,12 +167,14 @@ def run_phase(args) -> dict:
     compile_name = getattr(args, "compile", None) or "rollout"
     batches = getattr(args, "batches", None) or [32, 8, 1]
     tokens = getattr(args, "tokens", None) or 1024
+    seeds = getattr(args, "seeds", None) or "request"
     rows = []
     for engine in ("plain", "spec"):
         out = workdir / f"specdecode-{model}-{engine}.json"
         cmd = [sys.executable, "-m", "tools.bench.spec_decode", "child", "--engine", engine, "--model", model,
                "--path", str(folder), "--spec", spec, "--compile", compile_name, "--tokens", str(tokens),
-               "--out", str(out), "--batches", *map(str, batches), "--temperatures", *map(str, temperatures)]
+               "--seeds", seeds, "--out", str(out), "--batches", *map(str, batches),
+               "--temperatures", *map(str, temperatures)]
         if subprocess.run(cmd, cwd=REPO).returncode != 0:
             raise RuntimeError(f"specdecode: the {engine} engine failed")
         rows += json.loads(out.read_text())
@@ -184,7 +190,7 @@ def run_phase(args) -> dict:
     else:
         notes.append("random: each speculative row costs speculating at the acceptance its drafted and accepted counts show")
     return {"size": "full", "model": model, "rows": pair_rows(rows, compile_name), "spec": json.loads(spec),
-            "compile": compile_name, "notes": notes}
+            "compile": compile_name, "seeds": seeds, "notes": notes}
 
 
 def main(argv=None) -> int:
@@ -197,6 +203,8 @@ def main(argv=None) -> int:
     p.add_argument("--temperatures", type=float, nargs="+", help=f"default: per model, {TEMPERATURES}")
     p.add_argument("--spec", default=json.dumps(NGRAM), help="speculative_config as JSON")
     p.add_argument("--compile", choices=sorted(COMPILE), default="rollout")
+    p.add_argument("--seeds", choices=("request", "none"), default="request",
+                   help="a seed per request (repeatable rows), or none as in the rollout")
     p.add_argument("--workdir", type=Path, default=REPO / ".cache" / "bench")
     p.add_argument("--out", type=Path, default=Path("bench.json"))
     if argv[:1] == ["child"]:
@@ -210,7 +218,8 @@ def main(argv=None) -> int:
 
     entry = run_phase(a)
     # one phase per model and compilation: a later run into the same file keeps the others' rows
-    name = "-".join(["specdecode", a.compile, *([] if a.model == "random" else [a.model])])
+    name = "-".join(["specdecode", a.compile, *([] if a.model == "random" else [a.model]),
+                     *([] if a.seeds == "request" else ["unseeded"])])
     results.report(a.out, name, entry)
     return 0
 
