@@ -9,7 +9,7 @@ BOS), as in VERL's vLLM rollout. `tensor_parallel_size` is `$OPD_EVAL_TP` (defau
 `gpu_memory_utilization` is sized from the memory free at the engine's start
 (`opd_patches.eval.gpu_memory`), unless given (`--gpu-memory-utilization`, `$OPD_EVAL_GPU_MEM`). Compilation as the training rollout's
 (recipes/device/gpu.yaml: CUDA graphs for decode, no torch.compile; the engine starts faster than with
-vLLM's default, at the same decode speed);
+vLLM's default, which decoded a little faster offline);
 `OPD_EVAL_VLLM_COMPILE=default` gives vLLM's own default.
 
 With `--verifier`, the judge's engine starts after the evaluated model's is deleted; vLLM does not
