@@ -17,19 +17,19 @@ def compose(*overrides, device="gpu"):
 @pytest.mark.parametrize("value", ["FULL", "full"])
 def test_full_graphs_for_every_batch_are_refused_naming_the_key_and_the_fix(value):
     with pytest.raises(InputError, match=rf"^{MODE}=FULL: full CUDA graphs over mixed prefill-decode batches .* use "
-                                         r"FULL_DECODE_ONLY \(the GPU profile's\), or FULL_AND_PIECEWISE with "
-                                         rf"{compilation.COMPILATION}.mode=3$"):
+                                         rf"FULL_AND_PIECEWISE with {compilation.COMPILATION}.mode=3 \(the GPU profile's\), "
+                                         r"or FULL_DECODE_ONLY$"):
         compilation.check(compose(f"{MODE}={value}"))
     as_json = f"{compilation.COMPILATION}='{{\"mode\": 0, \"cudagraph_mode\": \"FULL\"}}'"  # VERL takes a JSON string too
     with pytest.raises(InputError, match=r"cudagraph_mode=FULL"):
         compilation.check(compose(as_json))
 
 
-def test_the_gpu_profiles_graphs_and_the_piecewise_ones_pass():
+def test_the_gpu_profiles_graphs_and_the_decode_only_ones_pass():
     assert compilation.setting(compose().actor_rollout_ref.rollout.engine_kwargs.vllm.compilation_config,
-                               "cudagraph_mode") == "FULL_DECODE_ONLY"
+                               "cudagraph_mode") == "FULL_AND_PIECEWISE"
     compilation.check(compose())
-    compilation.check(compose(f"{compilation.COMPILATION}.mode=3", f"{MODE}=FULL_AND_PIECEWISE"))
+    compilation.check(compose(f"{compilation.COMPILATION}.mode=0", f"{MODE}=FULL_DECODE_ONLY"))
     compilation.check(compose(device="cpu"))  # no vLLM settings at all
     assert compilation.setting('{"mode": 0}') == 0 and compilation.setting(None) is None
     assert compilation.setting("not json") is None

@@ -154,8 +154,8 @@ def test_spawned_children_do_not_rerun_the_command_line():
 
 
 def test_engine_compiles_as_the_training_rollout(monkeypatch):
-    """The evaluation engine takes recipes/device/gpu.yaml's compilation settings (CUDA graphs for decode,
-    no torch.compile: the faster start) unless OPD_EVAL_VLLM_COMPILE=default; a bad value names the variable."""
+    """The evaluation engine takes recipes/device/gpu.yaml's compilation settings, each engine its own copy
+    (vLLM fills in the mapping it is given)."""
     import types
 
     import yaml
@@ -167,6 +167,7 @@ def test_engine_compiles_as_the_training_rollout(monkeypatch):
     class LLM:
         def __init__(self, model, **kwargs):
             seen.append(kwargs.get("compilation_config"))
+            kwargs["compilation_config"]["filled_in"] = True
 
         def get_tokenizer(self):
             return None
@@ -175,9 +176,5 @@ def test_engine_compiles_as_the_training_rollout(monkeypatch):
     rollout = gpu["actor_rollout_ref"]["rollout"]["engine_kwargs"]["vllm"]["compilation_config"]
     monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(LLM=LLM, SamplingParams=dict))
     vllm_backend.VLLMBackend("m", max_model_len=64)
-    monkeypatch.setenv("OPD_EVAL_VLLM_COMPILE", "default")
     vllm_backend.VLLMBackend("m", max_model_len=64)
-    assert seen == [rollout, None]
-    monkeypatch.setenv("OPD_EVAL_VLLM_COMPILE", "fast")
-    with pytest.raises(ValueError, match="OPD_EVAL_VLLM_COMPILE"):
-        vllm_backend.VLLMBackend("m", max_model_len=64)
+    assert seen == [{**rollout, "filled_in": True}] * 2 and vllm_backend.ROLLOUT_COMPILATION == rollout

@@ -60,32 +60,35 @@ def test_suffix_without_arctic_inference_is_refused(monkeypatch):
         speculation.check(compose(f"+{speculation.KEY}={{method: suffix}}", "actor_rollout_ref.rollout.name=vllm"))
 
 
-def test_a_batch_size_schedule_under_the_rollouts_mode_0_is_refused_and_allowed_under_mode_3(monkeypatch):
+def test_a_batch_size_schedule_under_mode_0_is_refused_and_allowed_under_the_gpu_profiles_mode_3(monkeypatch):
     """vLLM 0.24 turns full CUDA graphs into piecewise ones for a schedule, and piecewise graphs need its
-    compilation mode 3: under the GPU profile's mode 0 no step would run under a CUDA graph."""
+    compilation mode 3: under mode 0 no step would run under a CUDA graph."""
     monkeypatch.setattr(speculation, "installed_methods", lambda: ("0.24.0", {"ngram"}))
     tail = (f"+{speculation.KEY}={{method: ngram, num_speculative_tokens: 4, prompt_lookup_max: 4, prompt_lookup_min: 2, "
             "num_speculative_tokens_per_batch_size: [[1, 8, 4], [9, 1024, 0]]}")
+    mode_0 = f"{speculation.COMPILATION}.mode=0"
     with pytest.raises(InputError, match=r"num_speculative_tokens_per_batch_size makes vLLM use piecewise CUDA graphs.*"
                                          r"mode is 0, so no step would run under a CUDA graph: add "
                                          r"actor_rollout_ref.rollout.engine_kwargs.vllm.compilation_config.mode=3"):
-        speculation.check(compose(tail, device="gpu"))
+        speculation.check(compose(tail, mode_0, device="gpu"))
+    assert speculation.check(compose(tail, device="gpu"))["num_speculative_tokens_per_batch_size"] == [[1, 8, 4], [9, 1024, 0]]
     for mode in ("3", "VLLM_COMPILE", "vllm_compile"):  # vLLM takes the number or the name
         spec = speculation.check(compose(tail, f"{speculation.COMPILATION}.mode={mode}", device="gpu"))
         assert spec["num_speculative_tokens_per_batch_size"] == [[1, 8, 4], [9, 1024, 0]]
     as_json = f"{speculation.COMPILATION}='{{\"mode\": 3, \"cudagraph_mode\": \"PIECEWISE\"}}'"  # VERL takes a JSON string too
     assert speculation.check(compose(tail, as_json, device="gpu"))["method"] == "ngram"
-    assert speculation.check(compose(NGRAM, device="gpu"))["method"] == "ngram"  # no schedule: mode 0 is fine
+    assert speculation.check(compose(NGRAM, mode_0, device="gpu"))["method"] == "ngram"  # no schedule: mode 0 is fine
 
 
-def test_ngram_gpu_under_the_rollouts_mode_0_is_refused_and_allowed_under_mode_3(monkeypatch):
+def test_ngram_gpu_under_mode_0_is_refused_and_allowed_under_the_gpu_profiles_mode_3(monkeypatch):
     """vLLM 0.24's ngram_gpu proposer compiles its kernel under the engine's compilation mode; mode 0 has none."""
     monkeypatch.setattr(speculation, "installed_methods", lambda: ("0.24.0", {"ngram", "ngram_gpu"}))
     gpu = NGRAM.replace("ngram", "ngram_gpu", 1)
     with pytest.raises(InputError, match=r"method 'ngram_gpu' compiles its matching kernel.*under mode 0.*fails at "
                                          r"start \('No compilation mode is set.'\): add actor_rollout_ref.rollout."
                                          r"engine_kwargs.vllm.compilation_config.mode=3, or use method ngram$"):
-        speculation.check(compose(gpu, device="gpu"))
+        speculation.check(compose(gpu, f"{speculation.COMPILATION}.mode=0", device="gpu"))
+    assert speculation.check(compose(gpu, device="gpu"))["method"] == "ngram_gpu"
     for mode in ("3", "VLLM_COMPILE"):
         assert speculation.check(compose(gpu, f"{speculation.COMPILATION}.mode={mode}", device="gpu"))["method"] == "ngram_gpu"
 

@@ -1,14 +1,14 @@
 """The rollout engine's compilation settings (upstream's key, handed to vLLM unchanged), checked before Ray.
 
-    actor_rollout_ref.rollout.engine_kwargs.vllm.compilation_config.cudagraph_mode=FULL_DECODE_ONLY
+    actor_rollout_ref.rollout.engine_kwargs.vllm.compilation_config.cudagraph_mode=FULL_AND_PIECEWISE
 
 Refused: `cudagraph_mode` FULL. It captures full CUDA graphs for every batch, mixed prefill-decode batches
 included, which FlashAttention 3 allows (`AttentionCGSupport.ALWAYS` in vllm/v1/attention/backends/flash_attn.py);
 under vLLM 0.24 and compilation mode 0 the samples of such an engine were not the model's (docs/speculation.md,
 the exactness check `python -m tools.spec_exactness --spec none --spec-compilation '{"mode": 0,
 "cudagraph_mode": "FULL"}'`). Mode 3 captures the same full graphs for those batches, so it is refused there
-too. FULL_DECODE_ONLY (the GPU profile's) runs those batches eager, and FULL_AND_PIECEWISE (mode 3) through
-piecewise graphs whose attention stays outside the graph; the same check passed both.
+too. FULL_AND_PIECEWISE (the GPU profile's, under mode 3) runs those batches through piecewise graphs whose
+attention stays outside the graph, and FULL_DECODE_ONLY runs them eager; the same check passed both.
 """
 
 from __future__ import annotations
@@ -45,4 +45,4 @@ def check(config: DictConfig) -> None:
     if setting(compilation, "cudagraph_mode") in FULL:
         raise InputError(f"{COMPILATION}.cudagraph_mode=FULL: full CUDA graphs over mixed prefill-decode batches "
                          "gave samples that were not the student's (vLLM 0.24, docs/speculation.md): use "
-                         f"FULL_DECODE_ONLY (the GPU profile's), or FULL_AND_PIECEWISE with {COMPILATION}.mode=3")
+                         f"FULL_AND_PIECEWISE with {COMPILATION}.mode=3 (the GPU profile's), or FULL_DECODE_ONLY")

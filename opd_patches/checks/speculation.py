@@ -11,7 +11,7 @@ with a method, a method the installed vLLM does not know, `suffix` without arcti
 package vLLM's suffix proposer imports), and vLLM's batch-size schedule (`num_speculative_tokens_per_batch_size`,
 speculation only while few sequences remain) under a compilation mode other than VLLM_COMPILE (3): vLLM turns
 full CUDA graphs into piecewise ones for a schedule, and piecewise graphs exist only under that mode, so under
-the rollout's mode 0 every step, speculative or not, would run without CUDA graphs. Also refused: `ngram_gpu`
+mode 0 every step, speculative or not, would run without CUDA graphs. Also refused: `ngram_gpu`
 under mode 0. vLLM 0.24's GPU proposer gives its matching kernel a VLLM_COMPILE config of its own, but the
 torch.compile wrapper reads the engine's config (`NgramGPUKernel` in vllm/v1/spec_decode/ngram_proposer_gpu.py,
 `TorchCompileWithNoGuardsWrapper` in vllm/compilation/wrapper.py), whose mode 0 has no backend, so the engine

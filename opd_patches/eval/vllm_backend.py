@@ -8,9 +8,8 @@ an interruption loses. Prompts go in as token ids (no special tokens added: the 
 BOS), as in VERL's vLLM rollout. `tensor_parallel_size` is `$OPD_EVAL_TP` (default 1);
 `gpu_memory_utilization` is sized from the memory free at the engine's start
 (`opd_patches.eval.gpu_memory`), unless given (`--gpu-memory-utilization`, `$OPD_EVAL_GPU_MEM`). Compilation as the training rollout's
-(recipes/device/gpu.yaml: CUDA graphs for decode, no torch.compile; the engine starts faster than with
-vLLM's default, which decoded a little faster offline);
-`OPD_EVAL_VLLM_COMPILE=default` gives vLLM's own default.
+(`ROLLOUT_COMPILATION` = recipes/device/gpu.yaml's: vLLM's torch.compile mode with full graphs for decode and
+piecewise ones for mixed batches), pinned so that a newer vLLM's default does not change what is evaluated.
 
 With `--verifier`, the judge's engine starts after the evaluated model's is deleted; vLLM does not
 always hand all GPU memory back within one process, and the judge's share is sized from what is left.
@@ -36,14 +35,7 @@ from opd_patches.eval.gpu_memory import engine_share as gpu_memory_share
 from opd_patches.eval.gpu_memory import explicit_share
 
 START_METHOD_VAR = "VLLM_WORKER_MULTIPROC_METHOD"
-ROLLOUT_COMPILATION = {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}  # = recipes/device/gpu.yaml
-
-
-def compilation_config() -> dict | None:
-    choice = os.environ.get("OPD_EVAL_VLLM_COMPILE", "rollout")
-    if choice not in ("rollout", "default"):
-        raise ValueError(f"OPD_EVAL_VLLM_COMPILE={choice!r}: use rollout (the training rollout's settings) or default")
-    return dict(ROLLOUT_COMPILATION) if choice == "rollout" else None
+ROLLOUT_COMPILATION = {"mode": 3, "cudagraph_mode": "FULL_AND_PIECEWISE"}  # = recipes/device/gpu.yaml
 
 
 class VLLMBackend:
@@ -66,7 +58,7 @@ class VLLMBackend:
             tensor_parallel_size=tp,
             gpu_memory_utilization=share,
             enable_prefix_caching=True,  # the samples of one question share their prompt
-            **({"compilation_config": cc} if (cc := compilation_config()) else {}),
+            compilation_config=dict(ROLLOUT_COMPILATION),  # a copy: vLLM fills in what it is given
         )
         self.tokenizer = self.llm.get_tokenizer()
         self.batch_size = batch_size or 1024

@@ -4,8 +4,8 @@
         [--train-shares 100 50 25] [--share-tokens 2048] [--share-batches 32 16 8] [--out bench.json]
     (make bench PHASE=decode; the shares need the MPS daemon: see below)
 
-vLLM alone (the recipes' engine settings: `gpu_memory_utilization` 0.5, CUDA graphs without
-torch.compile) decodes the random R1-Distill-1.5B-architecture model (opd_patches/embedded/r1_arch.py)
+vLLM alone (the recipes' engine settings: `gpu_memory_utilization` 0.5, their compilation and CUDA
+graphs) decodes the random R1-Distill-1.5B-architecture model (opd_patches/embedded/r1_arch.py)
 for B prompts x `--tokens` forced tokens (`min_tokens` = `max_tokens`, EOS ignored), once per batch
 size: decode at this size is latency-bound, so the time per step grows far less than the batch.
 

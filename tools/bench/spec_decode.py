@@ -2,14 +2,14 @@
 
     python -m tools.bench.spec_decode [--model random|echo] [--batches 32 8 1] [--tokens 1024] [--temperatures ...]
         [--spec '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}']
-        [--compile rollout|default|piecewise] [--seeds request|none] [--workdir .cache/bench] [--out bench.json]
+        [--compile rollout|mode0|default|piecewise] [--seeds request|none] [--workdir .cache/bench] [--out bench.json]
 
 One engine per child process, plain then speculative, on an R1-Distill-1.5B-architecture model with the rollout's
-memory share (0.5) and, with `--compile rollout`, its compilation (recipes/device/gpu.yaml: CUDA graphs for
-one-token decode, no torch.compile; under speculation such a graph serves a step only when every sequence in
-it verifies exactly 1 + k tokens, the other steps run eager); `default` is vLLM's own (torch.compile,
-VLLM_COMPILE, with full graphs for uniform decode and piecewise ones for the rest), `piecewise` the same with
-piecewise graphs only. Full graphs for every batch (`cudagraph_mode` FULL) are no choice here: they changed the
+memory share (0.5) and, with `--compile rollout`, its compilation (recipes/device/gpu.yaml: torch.compile,
+VLLM_COMPILE, with full graphs for uniform decode and piecewise ones for the rest); `default` is vLLM's own
+(the same under vLLM 0.24), `piecewise` mode 3 with piecewise graphs only, `mode0` CUDA graphs for one-token
+decode without torch.compile (under speculation such a graph serves a step only when every sequence in it
+verifies exactly 1 + k tokens, the other steps run eager). Full graphs for every batch (`cudagraph_mode` FULL) are no choice here: they changed the
 samples (opd_patches/checks/compilation.py). For each batch size B and temperature T: B prompts x
 `--tokens` forced new tokens (EOS ignored). `--seeds request` (default) gives every request its own seed, so a
 row's tokens repeat from run to run; `none` samples as the rollout does (VERL sets a request's seed only under
@@ -58,7 +58,8 @@ from opd_patches.rollout import spec_metrics
 REPO = Path(__file__).resolve().parents[2]
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
 COMPILE = {"rollout": ROLLOUT_COMPILATION, "default": None,
-           "piecewise": {"mode": 3, "cudagraph_mode": "PIECEWISE"}}
+           "piecewise": {"mode": 3, "cudagraph_mode": "PIECEWISE"},
+           "mode0": {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}}
 # echo: from almost no repeats to almost only repeats (r(T) in the module docstring)
 TEMPERATURES = {"random": [1.0], "echo": [2.0, 1.3, 1.15, 1.0, 0.5]}
 
