@@ -7,9 +7,10 @@ not depend on batching or on where a resumed run restarted. The harness hands it
 an interruption loses. Prompts go in as token ids (no special tokens added: the chat template has the
 BOS), as in VERL's vLLM rollout. `tensor_parallel_size` is `$OPD_EVAL_TP` (default 1);
 `gpu_memory_utilization` is sized from the memory free at the engine's start
-(`opd_patches.eval.gpu_memory`), unless given (`--gpu-memory-utilization`, `$OPD_EVAL_GPU_MEM`). Compilation as the training rollout's
-(`ROLLOUT_COMPILATION` = recipes/device/gpu.yaml's: vLLM's torch.compile mode with full graphs for decode and
-piecewise ones for mixed batches), pinned so that a newer vLLM's default does not change what is evaluated.
+(`opd_patches.eval.gpu_memory`), unless given (`--gpu-memory-utilization`, `$OPD_EVAL_GPU_MEM`).
+Compilation as the training rollout's (`ROLLOUT_COMPILATION` = recipes/device/gpu.yaml's: vLLM's torch.compile
+mode with full graphs for decode and piecewise ones for mixed batches), pinned so that a newer vLLM's default
+does not change what is evaluated.
 
 With `--verifier`, the judge's engine starts after the evaluated model's is deleted; vLLM does not
 always hand all GPU memory back within one process, and the judge's share is sized from what is left.
