@@ -6,13 +6,13 @@
 
 One engine per child process, plain then speculative, on an R1-Distill-1.5B-architecture model with the rollout's
 memory share (0.5) and, with `--compile rollout`, its compilation (recipes/device/gpu.yaml: torch.compile,
-VLLM_COMPILE, with full graphs for uniform decode and piecewise ones for the rest); `default` is vLLM's own
-(the same under vLLM 0.24), `piecewise` mode 3 with piecewise graphs only, `mode0` CUDA graphs for one-token
-decode without torch.compile (under speculation such a graph serves a step only when every sequence in it
-verifies exactly 1 + k tokens, the other steps run eager). Full graphs for every batch (`cudagraph_mode`
-FULL) are no choice here: they changed the samples (opd_patches/checks/compilation.py). For each batch size B and temperature T: B prompts x
-`--tokens` forced new tokens (EOS ignored). `--seeds request` (default) gives every request its own seed, so a
-row's tokens repeat from run to run; `none` samples as the rollout does (VERL sets a request's seed only under
+VLLM_COMPILE, with full graphs for uniform decode and piecewise ones for the rest); `default` is vLLM's own (the
+same under vLLM 0.24), `piecewise` mode 3 with piecewise graphs only, `mode0` CUDA graphs for one-token decode
+without torch.compile (under speculation such a graph serves a step only when every sequence in it verifies exactly
+1 + k tokens, the other steps run eager). Full graphs for every batch (`cudagraph_mode` FULL) are no choice here:
+they changed the samples (opd_patches/checks/compilation.py). For each batch size B and temperature T: B prompts x
+`--tokens` forced new tokens (EOS ignored). `--seeds request` (default) gives every request its own seed, so a row's
+tokens repeat from run to run; `none` samples as the rollout does (VERL sets a request's seed only under
 `rollout.full_determinism`): vLLM draws seeded requests' random numbers one request at a time.
 
 Two models of the same compute per token:
